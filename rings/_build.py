@@ -1,0 +1,45 @@
+"""cffi builder for rings._virtq: the ring primitives of csrc/virtq.h exposed as burst calls."""
+import os
+import re
+
+from cffi import FFI
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+
+def ring_cdef():
+    """The declarations of csrc/virtq_types.h, for other packages' builders to reuse."""
+    with open(os.path.join(CSRC, "virtq_types.h")) as f:
+        text = f.read()
+    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+
+
+CDEF = ring_cdef() + """
+uint32_t vq_drv_add(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                    const uint16_t *nread, const uint16_t *nwrite, const uint64_t *tokens, uint32_t n);
+uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens, int writable,
+                           const uint64_t *tokens, uint32_t n);
+void vq_drv_publish(struct vq_driver *q);
+int vq_drv_kick_prepare(struct vq_driver *q);
+int vq_drv_reclaim(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max);
+void vq_drv_enable_calls(struct vq_driver *q, int on);
+int vq_dev_poll(struct vq_device *q, struct vq_chains *c, uint32_t max);
+int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, const uint32_t *lens, uint32_t n);
+void vq_dev_flush(struct vq_device *q);
+int vq_dev_call_prepare(struct vq_device *q);
+void vq_dev_enable_kicks(struct vq_device *q, int on);
+uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "rings._virtq",
+    '#include "virtq.h"',
+    include_dirs=[CSRC],
+    extra_compile_args=["-O2", "-std=gnu11"],
+    depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

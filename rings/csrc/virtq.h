@@ -1,0 +1,799 @@
+/* The ring primitives: split and packed, driver and device halves, normal and in-order variants.
+ * All static inline so that every package's cffi module can include them (as DPDK keeps virtqueue.h).
+ * Semantics: rings/README.md. Spec IDs: shared/spec/virtio-checklist.md.
+ *
+ * Memory ordering: the peer's memory is read with relaxed atomic loads (a copy is taken, then checked),
+ * publication points are release stores, consumption points acquire loads, and a full fence separates
+ * a publication from the read of the peer's suppression fields (MEM-03, EVT-25, MEM-10). */
+#ifndef VIRTQ_H
+#define VIRTQ_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "virtq_types.h"
+
+#define VIRTQ_DESC_F_NEXT 1
+#define VIRTQ_DESC_F_WRITE 2
+#define VIRTQ_DESC_F_INDIRECT 4
+#define VIRTQ_DESC_F_AVAIL (1 << 7)
+#define VIRTQ_DESC_F_USED (1 << 15)
+#define VIRTQ_AVAIL_F_NO_INTERRUPT 1
+#define VIRTQ_USED_F_NO_NOTIFY 1
+#define RING_EVENT_FLAGS_ENABLE 0
+#define RING_EVENT_FLAGS_DISABLE 1
+#define RING_EVENT_FLAGS_DESC 2
+
+/* Error codes, shared with rings/errors.py */
+enum {
+    VQ_OK = 0,
+    VQ_ERR_HEAD_OUT_OF_RANGE = 1,
+    VQ_ERR_NEXT_OUT_OF_RANGE = 2,
+    VQ_ERR_CHAIN_TOO_LONG = 3,
+    VQ_ERR_AVAIL_IDX_JUMP = 4,
+    VQ_ERR_INDIRECT_EMPTY = 5,
+    VQ_ERR_INDIRECT_LENGTH = 6,
+    VQ_ERR_NESTED_INDIRECT = 7,
+    VQ_ERR_INDIRECT_WITH_NEXT = 8,
+    VQ_ERR_WRITABLE_BEFORE_READABLE = 9,
+    VQ_ERR_PACKED_ID_OUT_OF_RANGE = 10,
+    VQ_ERR_ID_IN_USE = 11,
+    VQ_ERR_ADDRESS_OUT_OF_BOUNDS = 12,
+    VQ_ERR_USED_ID_NOT_IN_FLIGHT = 13,
+    VQ_ERR_USED_LEN_TOO_LARGE = 14,
+    VQ_ERR_USED_IDX_JUMP = 15,
+    VQ_USAGE_NOT_IN_FLIGHT = 100, /* local API misuse, not a ring error */
+    VQ_USAGE_OUT_OF_ORDER = 101,
+    VQ_USAGE_SHADOW_FULL = 102,
+};
+
+#define VQ_ONCE(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
+#define VQ_ACQUIRE(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
+#define VQ_RELEASE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+#define VQ_SET(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
+#define VQ_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+
+static inline int vq_need_event(uint16_t event_idx, uint16_t new_idx, uint16_t old_idx)
+{   /* EVT-18 */
+    return (uint16_t)(new_idx - event_idx - 1) < (uint16_t)(new_idx - old_idx);
+}
+
+static inline int vq_packed_need_event(uint16_t off_wrap, uint16_t new_pos, uint16_t old_pos,
+                                       uint16_t wrap_at_new, uint16_t size)
+{   /* EVT-23: an offset tagged with the other wrap lies in the previous lap */
+    uint16_t off = off_wrap & 0x7fff;
+    if ((off_wrap >> 15) != wrap_at_new)
+        off -= size;
+    return vq_need_event(off, new_pos, old_pos);
+}
+
+/* Bounds-checked translation: [gpa, gpa+len) must lie inside one region; no overflow possible. */
+static inline uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len)
+{
+    for (uint32_t i = 0; i < m->nregions; i++) {
+        const struct vq_region *r = &m->r[i];
+        if (gpa >= r->gpa && gpa - r->gpa <= r->size && len <= r->size - (gpa - r->gpa))
+            return r->host + (gpa - r->gpa);
+    }
+    return 0;
+}
+
+static inline uint16_t *vq_used_event(struct vring_avail *avail, uint16_t size) { return &avail->ring[size]; }
+static inline uint16_t *vq_avail_event(struct vring_used *used, uint16_t size) { return (uint16_t *)&used->ring[size]; }
+
+static inline uint16_t vq_avail_bits(uint16_t wrap)
+{   /* PACKED-D-03: AVAIL = wrap, USED = !wrap */
+    return wrap ? VIRTQ_DESC_F_AVAIL : VIRTQ_DESC_F_USED;
+}
+
+static inline uint16_t vq_used_bits(uint16_t wrap)
+{   /* PACKED-V-02: AVAIL = USED = wrap */
+    return wrap ? (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED) : 0;
+}
+
+static inline int vq_drv_fail(struct vq_driver *q, int code, uint64_t a, uint64_t b)
+{
+    q->error = code; q->err_a = a; q->err_b = b;
+    return -1;
+}
+
+static inline int vq_dev_fail(struct vq_device *q, int code, uint64_t a, uint64_t b)
+{
+    q->error = code; q->err_a = a; q->err_b = b;
+    return -1;
+}
+
+/* ======================================================================================= */
+/* Driver half                                                                             */
+/* ======================================================================================= */
+
+/* Descriptors a buffer of nseg segments needs in the ring (1 when it goes indirect). */
+static inline uint16_t vq_drv_needed(const struct vq_driver *q, uint32_t nseg)
+{
+    return (q->use_indirect && nseg > 1 && nseg <= q->indirect_max) ? 1 : (uint16_t)nseg;
+}
+
+/* Fill an indirect table for buffer id; returns the ring descriptor's addr. */
+static inline uint64_t vq_drv_fill_indirect(struct vq_driver *q, uint16_t id, const uint64_t *addrs,
+                                            const uint32_t *lens, uint32_t nread, uint32_t nseg)
+{
+    uint64_t off = (uint64_t)id * q->indirect_max * 16;
+    if (q->packed) {
+        struct vring_packed_desc *t = (struct vring_packed_desc *)(q->indirect_host + off);
+        for (uint32_t j = 0; j < nseg; j++) {
+            t[j].addr = addrs[j]; t[j].len = lens[j]; t[j].id = 0;
+            t[j].flags = j >= nread ? VIRTQ_DESC_F_WRITE : 0;
+        }
+    } else {
+        struct vring_desc *t = (struct vring_desc *)(q->indirect_host + off);
+        for (uint32_t j = 0; j < nseg; j++) {
+            uint16_t last = j + 1 == nseg;
+            t[j].addr = addrs[j]; t[j].len = lens[j];
+            t[j].flags = (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
+            t[j].next = last ? 0 : (uint16_t)(j + 1);   /* INORDER-05 holds for every table */
+        }
+    }
+    return q->indirect_gpa + off;
+}
+
+static inline uint32_t vq_wlen(const uint32_t *lens, uint32_t nread, uint32_t nseg)
+{
+    uint64_t w = 0;
+    for (uint32_t j = nread; j < nseg; j++)
+        w += lens[j];
+    return w > 0xffffffffu ? 0xffffffffu : (uint32_t)w;
+}
+
+/* Split: one buffer. Returns 0, or 1 when it does not fit. */
+static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                    uint32_t nread, uint32_t nseg, uint64_t token)
+{
+    uint16_t needed = vq_drv_needed(q, nseg), size = q->size;
+    if (needed > q->num_free)
+        return 1;
+    uint16_t head = q->in_order ? q->next_desc : q->free_head;
+    if (needed == 1 && nseg > 1) {
+        struct vring_desc *d = &q->desc[head];
+        d->addr = vq_drv_fill_indirect(q, head, addrs, lens, nread, nseg);
+        d->len = nseg * 16; d->flags = VIRTQ_DESC_F_INDIRECT; d->next = 0;
+        if (q->in_order)
+            q->next_desc = (uint16_t)((head + 1) & (size - 1));
+        else
+            q->free_head = q->free_next[head];
+    } else {
+        uint16_t i = head;
+        for (uint32_t j = 0; j < nseg; j++) {
+            struct vring_desc *d = &q->desc[i];
+            uint16_t last = j + 1 == nseg;
+            uint16_t nxt = q->in_order ? (uint16_t)((i + 1) & (size - 1)) : q->free_next[i];
+            d->addr = addrs[j]; d->len = lens[j];
+            d->flags = (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
+            d->next = last ? 0 : nxt;   /* INORDER-04: x+1, wrapping to 0 */
+            i = nxt;
+        }
+        if (q->in_order)
+            q->next_desc = i;
+        else
+            q->free_head = i;
+    }
+    q->id_ndesc[head] = needed;
+    q->id_wlen[head] = vq_wlen(lens, nread, nseg);
+    q->id_token[head] = token;
+    q->id_inflight[head] = 1;
+    q->num_free -= needed;
+    q->inflight++;
+    q->avail->ring[q->next_avail & (size - 1)] = head;
+    q->next_avail++;
+    q->kick_added++;
+    return 0;
+}
+
+/* Packed: one buffer. The very first flags of a publish batch are kept aside (PACKED-D-12). */
+static inline int vq_drv_add1_packed(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                     uint32_t nread, uint32_t nseg, uint64_t token)
+{
+    uint16_t needed = vq_drv_needed(q, nseg), size = q->size;
+    if (needed > q->num_free)
+        return 1;
+    uint16_t id = q->in_order ? q->next_avail : q->free_head;
+    if (!q->in_order)
+        q->free_head = q->free_next[id];
+    for (uint32_t j = 0; j < needed; j++) {
+        struct vring_packed_desc *d = &q->pdesc[q->next_avail];
+        uint16_t flags = vq_avail_bits(q->avail_wrap);
+        if (needed == 1 && nseg > 1) {
+            d->addr = vq_drv_fill_indirect(q, id, addrs, lens, nread, nseg);
+            d->len = nseg * 16;
+            flags |= VIRTQ_DESC_F_INDIRECT;
+        } else {
+            d->addr = addrs[j]; d->len = lens[j];
+            flags |= (j + 1 < needed ? VIRTQ_DESC_F_NEXT : 0) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
+        }
+        d->id = id;
+        if (q->pending == 0 && j == 0) {
+            q->pending_head = q->next_avail;
+            q->pending_flags = flags;
+        } else {
+            VQ_SET(d->flags, flags);
+        }
+        if (++q->next_avail == size) {
+            q->next_avail = 0;
+            q->avail_wrap ^= 1;
+        }
+    }
+    q->pending++;
+    q->id_ndesc[id] = needed;
+    q->id_wlen[id] = vq_wlen(lens, nread, nseg);
+    q->id_token[id] = token;
+    q->id_inflight[id] = 1;
+    q->num_free -= needed;
+    q->inflight++;
+    q->kick_added += needed;
+    return 0;
+}
+
+/* Add up to n buffers; segments are flat, nread[i]+nwrite[i] of them per buffer. Returns how many fit. */
+static inline uint32_t vq_drv_add(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                  const uint16_t *nread, const uint16_t *nwrite, const uint64_t *tokens,
+                                  uint32_t n)
+{
+    uint32_t i, s = 0;
+    for (i = 0; i < n; i++) {
+        uint32_t nseg = (uint32_t)nread[i] + nwrite[i];
+        int full = q->packed ? vq_drv_add1_packed(q, addrs + s, lens + s, nread[i], nseg, tokens[i])
+                             : vq_drv_add1_split(q, addrs + s, lens + s, nread[i], nseg, tokens[i]);
+        if (full)
+            break;
+        s += nseg;
+    }
+    return i;
+}
+
+/* Fast path for one-segment buffers of one direction (Tx with header prepended, Rx refill). */
+static inline uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                         int writable, const uint64_t *tokens, uint32_t n)
+{
+    uint32_t i, nread = writable ? 0 : 1;
+    for (i = 0; i < n; i++) {
+        int full = q->packed ? vq_drv_add1_packed(q, addrs + i, lens + i, nread, 1, tokens[i])
+                             : vq_drv_add1_split(q, addrs + i, lens + i, nread, 1, tokens[i]);
+        if (full)
+            break;
+    }
+    return i;
+}
+
+/* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22). */
+static inline void vq_drv_publish(struct vq_driver *q)
+{
+    if (q->packed) {
+        if (q->pending) {
+            VQ_RELEASE(q->pdesc[q->pending_head].flags, q->pending_flags);
+            q->pending = 0;
+        }
+    } else {
+        VQ_RELEASE(q->avail->idx, q->next_avail);
+    }
+}
+
+static inline int vq_drv_kick_prepare(struct vq_driver *q)
+{
+    int need;
+    VQ_FENCE();   /* MEM-03 / EVT-25: publish before reading the device's suppression fields */
+    if (q->packed) {
+        uint16_t flags = VQ_ONCE(q->device_event->flags);
+        if (flags == RING_EVENT_FLAGS_DISABLE)
+            need = 0;
+        else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)
+            need = vq_packed_need_event(VQ_ONCE(q->device_event->off_wrap), q->next_avail,
+                                        (uint16_t)(q->next_avail - q->kick_added), q->avail_wrap, q->size);
+        else
+            need = 1;
+    } else if (q->event_idx) {   /* EVT-13/14 */
+        need = vq_need_event(VQ_ONCE(*vq_avail_event(q->used, q->size)), q->next_avail,
+                             (uint16_t)(q->next_avail - q->kick_added));
+    } else {                     /* EVT-12 */
+        need = !(VQ_ONCE(q->used->flags) & VIRTQ_USED_F_NO_NOTIFY);
+    }
+    q->kick_added = 0;
+    return need;
+}
+
+/* Give back a reclaimed buffer's descriptors (normal variants: to the free list). */
+static inline void vq_drv_free_split(struct vq_driver *q, uint16_t head)
+{
+    uint16_t n = q->id_ndesc[head];
+    if (!q->in_order) {
+        uint16_t tail = head;
+        for (uint16_t k = 1; k < n; k++)
+            tail = q->free_next[tail];
+        q->free_next[tail] = q->free_head;
+        q->free_head = head;
+    }
+    q->id_inflight[head] = 0;
+    q->num_free += n;
+    q->inflight--;
+}
+
+static inline int vq_drv_check_len(struct vq_driver *q, uint16_t id, uint32_t len)
+{
+    if (len > q->id_wlen[id])
+        return vq_drv_fail(q, VQ_ERR_USED_LEN_TOO_LARGE, id, len);
+    return 0;
+}
+
+/* Split reclaim; returns the number of buffers, or -1 when the ring is broken. */
+static inline int vq_drv_reclaim_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
+{
+    uint16_t size = q->size, used_idx = VQ_ACQUIRE(q->used->idx);
+    uint32_t n = 0;
+    if ((uint16_t)(used_idx - q->last_used) > size)
+        return vq_drv_fail(q, VQ_ERR_USED_IDX_JUMP, q->last_used, used_idx);
+    while (q->last_used != used_idx && n < max) {
+        struct vring_used_elem *e = &q->used->ring[q->last_used & (size - 1)];
+        uint32_t id = VQ_ONCE(e->id), len = VQ_ONCE(e->len);
+        if (id >= size || !q->id_inflight[id])
+            return vq_drv_fail(q, VQ_ERR_USED_ID_NOT_IN_FLIGHT, id, q->last_used);
+        if (vq_drv_check_len(q, id, len))
+            return -1;
+        if (!q->in_order) {
+            tokens[n] = q->id_token[id]; lens[n] = len; n++;
+            vq_drv_free_split(q, id);
+            q->last_used++;
+            continue;
+        }
+        /* INORDER-06/09: one entry may stand for every buffer from the oldest up to id */
+        uint16_t h = q->oldest, cnt = 1;
+        while (h != id) {
+            if (!q->id_inflight[h] || cnt > q->inflight)
+                return vq_drv_fail(q, VQ_ERR_USED_ID_NOT_IN_FLIGHT, id, q->last_used);
+            h = (uint16_t)((h + q->id_ndesc[h]) & (size - 1));
+            cnt++;
+        }
+        if (cnt > (uint16_t)(used_idx - q->last_used))
+            return vq_drv_fail(q, VQ_ERR_USED_IDX_JUMP, q->last_used, used_idx);
+        for (uint16_t k = 0; k < cnt; k++) {
+            h = q->oldest;
+            tokens[n] = q->id_token[h];
+            lens[n] = h == id ? len : q->id_wlen[h];   /* INORDER-10 */
+            n++;
+            q->oldest = (uint16_t)((h + q->id_ndesc[h]) & (size - 1));
+            vq_drv_free_split(q, h);
+        }
+        q->last_used += cnt;
+    }
+    return (int)n;
+}
+
+static inline void vq_drv_advance_used_packed(struct vq_driver *q, uint16_t ndesc)
+{
+    q->last_used += ndesc;
+    if (q->last_used >= q->size) {
+        q->last_used -= q->size;
+        q->used_wrap ^= 1;
+    }
+}
+
+static inline int vq_drv_reclaim_packed(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
+{
+    uint16_t size = q->size;
+    uint32_t n = 0;
+    while (n < max && q->inflight) {
+        struct vring_packed_desc *d = &q->pdesc[q->last_used];
+        uint16_t flags = VQ_ACQUIRE(d->flags);
+        uint16_t w = q->used_wrap;
+        /* PACKED-D-24: used iff AVAIL == USED == used wrap counter */
+        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) != w)
+            break;
+        uint16_t id = VQ_ONCE(d->id);
+        uint32_t len = VQ_ONCE(d->len);
+        if (id >= size)
+            return vq_drv_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, q->last_used);
+        if (!q->id_inflight[id])
+            return vq_drv_fail(q, VQ_ERR_USED_ID_NOT_IN_FLIGHT, id, q->last_used);
+        /* PACKED-D-17: len is meaningful with WRITE; accepted without it for a writable buffer (QEMU) */
+        if (!(flags & VIRTQ_DESC_F_WRITE) && q->id_wlen[id] == 0)
+            len = 0;
+        if (vq_drv_check_len(q, id, len))
+            return -1;
+        if (!q->in_order) {
+            tokens[n] = q->id_token[id]; lens[n] = len; n++;
+            q->free_next[id] = q->free_head;
+            q->free_head = id;
+            q->id_inflight[id] = 0;
+            q->num_free += q->id_ndesc[id];
+            q->inflight--;
+            vq_drv_advance_used_packed(q, q->id_ndesc[id]);
+            continue;
+        }
+        /* INORDER-11..14: walk buffers from this slot up to id, skipping by their lengths */
+        uint16_t h = q->last_used, cnt = 1;
+        while (h != id) {
+            if (!q->id_inflight[h] || cnt > q->inflight)
+                return vq_drv_fail(q, VQ_ERR_USED_ID_NOT_IN_FLIGHT, id, q->last_used);
+            h += q->id_ndesc[h];
+            if (h >= size)
+                h -= size;
+            cnt++;
+        }
+        for (uint16_t k = 0; k < cnt; k++) {
+            h = q->last_used;
+            tokens[n] = q->id_token[h];
+            lens[n] = h == id ? len : q->id_wlen[h];   /* INORDER-10 */
+            n++;
+            q->id_inflight[h] = 0;
+            q->num_free += q->id_ndesc[h];
+            q->inflight--;
+            vq_drv_advance_used_packed(q, q->id_ndesc[h]);
+        }
+    }
+    return (int)n;
+}
+
+static inline int vq_drv_reclaim(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
+{
+    return q->packed ? vq_drv_reclaim_packed(q, tokens, lens, max) : vq_drv_reclaim_split(q, tokens, lens, max);
+}
+
+static inline void vq_drv_enable_calls(struct vq_driver *q, int on)
+{
+    if (q->packed) {
+        VQ_SET(q->driver_event->flags, on ? RING_EVENT_FLAGS_ENABLE : RING_EVENT_FLAGS_DISABLE);
+    } else if (q->event_idx) {   /* EVT-02: flags stay 0 */
+        VQ_SET(q->avail->flags, 0);
+        VQ_SET(*vq_used_event(q->avail, q->size), (uint16_t)(on ? q->last_used : q->last_used + 0x7fff));
+    } else {
+        VQ_SET(q->avail->flags, on ? 0 : VIRTQ_AVAIL_F_NO_INTERRUPT);
+    }
+    VQ_FENCE();   /* EVT-09/MEM-09: callers re-check the ring after enabling */
+}
+
+/* ======================================================================================= */
+/* Device half                                                                             */
+/* ======================================================================================= */
+
+/* Emit one segment into the chains arrays; checks translation and readable-before-writable. */
+static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t *s, uint64_t addr,
+                              uint32_t len, int writable, int *seen_w, uint64_t *rlen, uint64_t *wlen)
+{
+    uint8_t *host = vq_translate(q->mem, addr, len);
+    if (!host)
+        return vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+    if (writable) {
+        *seen_w = 1;
+        *wlen += len;
+    } else {
+        if (*seen_w)
+            return vq_dev_fail(q, VQ_ERR_WRITABLE_BEFORE_READABLE, addr, len);
+        *rlen += len;
+    }
+    if (*s >= c->cap_segs)
+        return 1;   /* no room: leave the chain for the next poll */
+    c->seg_addr[*s] = addr;
+    c->seg_len[*s] = len;
+    c->seg_write[*s] = (uint8_t)writable;
+    if (c->seg_host)
+        c->seg_host[*s] = host;
+    (*s)++;
+    return 0;
+}
+
+/* Validate an indirect descriptor and return its table (SPLIT-V-14, SPLIT-D-09). */
+static inline const uint8_t *vq_dev_indirect(struct vq_device *q, uint64_t addr, uint32_t len, uint32_t *count)
+{
+    if (len == 0) {
+        vq_dev_fail(q, VQ_ERR_INDIRECT_EMPTY, addr, len);
+        return 0;
+    }
+    if (len % 16) {
+        vq_dev_fail(q, VQ_ERR_INDIRECT_LENGTH, addr, len);
+        return 0;
+    }
+    if (len / 16 > q->size) {
+        vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, len / 16, q->size);
+        return 0;
+    }
+    const uint8_t *t = vq_translate(q->mem, addr, len);
+    if (!t)
+        vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+    *count = len / 16;
+    return t;
+}
+
+static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, uint32_t s0, uint32_t s,
+                                      uint16_t id, uint16_t ndesc, uint64_t rlen, uint64_t wlen)
+{
+    if (rlen > 0xffffffffu || wlen > 0xffffffffu)   /* SPLIT-D-04 */
+        return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, rlen, wlen);
+    uint32_t k = c->n++;
+    c->id[k] = id; c->ndesc[k] = ndesc; c->seg_start[k] = s0; c->nseg[k] = (uint16_t)(s - s0);
+    c->rlen[k] = (uint32_t)rlen; c->wlen[k] = (uint32_t)wlen;
+    c->nsegs = s;
+    q->id_ndesc[id] = ndesc;
+    q->id_wlen[id] = (uint32_t)wlen;
+    q->id_inflight[id] = 1;
+    q->inflight++;
+    if (q->in_order) {
+        q->fifo[(q->fifo_head + q->fifo_count) % q->size] = id;
+        q->fifo_count++;
+    }
+    return 0;
+}
+
+/* Split: parse the chain at head into c. 0 ok, 1 no room, -1 broken. */
+static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, uint16_t head)
+{
+    uint16_t size = q->size;
+    const struct vring_desc *table = q->desc;
+    uint32_t limit = size, hops = 0, i = head, s = c->nsegs;
+    int in_indirect = 0, seen_w = 0, r;
+    uint64_t rlen = 0, wlen = 0;
+    for (;;) {
+        struct vring_desc d;
+        d.addr = VQ_ONCE(table[i].addr);
+        d.len = VQ_ONCE(table[i].len);
+        d.flags = VQ_ONCE(table[i].flags);
+        d.next = VQ_ONCE(table[i].next);
+        if (++hops > limit)
+            return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, head, hops);
+        if (d.flags & VIRTQ_DESC_F_INDIRECT) {
+            if (in_indirect)
+                return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);
+            if (d.flags & VIRTQ_DESC_F_NEXT)
+                return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, head, i);
+            table = (const struct vring_desc *)vq_dev_indirect(q, d.addr, d.len, &limit);
+            if (!table)
+                return -1;
+            in_indirect = 1;
+            hops = 0;
+            i = 0;
+            continue;
+        }
+        r = vq_dev_emit(q, c, &s, d.addr, d.len, d.flags & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+        if (r)
+            return r;
+        if (!(d.flags & VIRTQ_DESC_F_NEXT))
+            break;
+        if (d.next >= limit)
+            return vq_dev_fail(q, VQ_ERR_NEXT_OUT_OF_RANGE, i, d.next);
+        i = d.next;
+    }
+    return vq_dev_finish_chain(q, c, c->nsegs, s, head, 1, rlen, wlen);
+}
+
+static inline int vq_dev_poll_split(struct vq_device *q, struct vq_chains *c, uint32_t max)
+{
+    uint16_t size = q->size, avail_idx = VQ_ACQUIRE(q->avail->idx);
+    if ((uint16_t)(avail_idx - q->last_avail) > size)   /* SPLIT-V-13 */
+        return vq_dev_fail(q, VQ_ERR_AVAIL_IDX_JUMP, q->last_avail, avail_idx);
+    while (q->last_avail != avail_idx && c->n < max && c->n < c->cap_chains) {
+        uint16_t head = VQ_ONCE(q->avail->ring[q->last_avail & (size - 1)]);
+        if (head >= size)
+            return vq_dev_fail(q, VQ_ERR_HEAD_OUT_OF_RANGE, head, q->last_avail);
+        if (q->id_inflight[head])
+            return vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, q->last_avail);
+        int r = vq_dev_chain_split(q, c, head);
+        if (r < 0)
+            return -1;
+        if (r > 0)
+            break;
+        q->last_avail++;
+    }
+    return (int)c->n;
+}
+
+/* Packed: parse the list starting at slot last_avail. 0 ok, 1 no room, -1 broken. */
+static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, uint16_t *ndesc_out)
+{
+    uint16_t size = q->size, slot = q->last_avail, ndesc = 0, id = 0;
+    uint32_t s = c->nsegs;
+    int seen_w = 0, r;
+    uint64_t rlen = 0, wlen = 0;
+    for (;;) {
+        struct vring_packed_desc d;
+        d.addr = VQ_ONCE(q->pdesc[slot].addr);
+        d.len = VQ_ONCE(q->pdesc[slot].len);
+        d.id = VQ_ONCE(q->pdesc[slot].id);
+        d.flags = VQ_ONCE(q->pdesc[slot].flags);
+        if (++ndesc > size)
+            return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, q->last_avail, ndesc);
+        id = d.id;
+        if (d.flags & VIRTQ_DESC_F_INDIRECT) {
+            uint32_t count;
+            if ((d.flags & VIRTQ_DESC_F_NEXT) || ndesc > 1)   /* PACKED-D-20 */
+                return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, q->last_avail, slot);
+            const struct vring_packed_desc *t =
+                (const struct vring_packed_desc *)vq_dev_indirect(q, d.addr, d.len, &count);
+            if (!t)
+                return -1;
+            for (uint32_t j = 0; j < count; j++) {   /* PACKED-V-13: sequential, only WRITE counts */
+                uint64_t a = VQ_ONCE(t[j].addr);
+                uint32_t l = VQ_ONCE(t[j].len);
+                uint16_t f = VQ_ONCE(t[j].flags);
+                if (f & VIRTQ_DESC_F_INDIRECT)
+                    return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, q->last_avail, j);
+                r = vq_dev_emit(q, c, &s, a, l, f & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+                if (r)
+                    return r;
+            }
+            break;
+        }
+        r = vq_dev_emit(q, c, &s, d.addr, d.len, d.flags & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+        if (r)
+            return r;
+        if (!(d.flags & VIRTQ_DESC_F_NEXT))
+            break;
+        if (++slot == size)
+            slot = 0;
+    }
+    if (id >= size)   /* PACKED-V-10: the id is the last descriptor's */
+        return vq_dev_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, q->last_avail);
+    if (q->id_inflight[id])
+        return vq_dev_fail(q, VQ_ERR_ID_IN_USE, id, q->last_avail);
+    *ndesc_out = ndesc;
+    return vq_dev_finish_chain(q, c, c->nsegs, s, id, ndesc, rlen, wlen);
+}
+
+static inline int vq_dev_poll_packed(struct vq_device *q, struct vq_chains *c, uint32_t max)
+{
+    while (c->n < max && c->n < c->cap_chains) {
+        uint16_t flags = VQ_ACQUIRE(q->pdesc[q->last_avail].flags);
+        uint16_t w = q->avail_wrap, ndesc = 0;
+        /* PACKED-V-18: available iff AVAIL == wrap and USED != wrap */
+        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) == w)
+            break;
+        int r = vq_dev_chain_packed(q, c, &ndesc);
+        if (r < 0)
+            return -1;
+        if (r > 0)
+            break;
+        q->last_avail += ndesc;
+        if (q->last_avail >= q->size) {
+            q->last_avail -= q->size;
+            q->avail_wrap ^= 1;
+        }
+    }
+    return (int)c->n;
+}
+
+/* Poll up to max chains into c (which is reset first). Returns the count, or -1 when broken. */
+static inline int vq_dev_poll(struct vq_device *q, struct vq_chains *c, uint32_t max)
+{
+    c->n = 0;
+    c->nsegs = 0;
+    return q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
+}
+
+/* Append completions to the shadow used array. Returns 0 or a VQ_USAGE_* code. */
+static inline int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, const uint32_t *lens, uint32_t n)
+{
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t id = ids[k];
+        if (id >= q->size || q->id_inflight[id] != 1)   /* 1: polled, 2: already in the shadow */
+            return VQ_USAGE_NOT_IN_FLIGHT;
+        if (q->in_order) {   /* INORDER-02 */
+            if (q->fifo_count == 0 || q->fifo[q->fifo_head] != id)
+                return VQ_USAGE_OUT_OF_ORDER;
+            q->fifo_head = (uint16_t)((q->fifo_head + 1) % q->size);
+            q->fifo_count--;
+        }
+        if (q->shadow_count >= q->size)
+            return VQ_USAGE_SHADOW_FULL;
+        q->id_inflight[id] = 2;   /* completed, waiting in the shadow */
+        q->shadow_id[q->shadow_count] = id;
+        q->shadow_len[q->shadow_count] = lens[k];
+        q->shadow_count++;
+    }
+    return 0;
+}
+
+/* End of the batch starting at shadow entry i (INORDER-10: only fully written buffers are skipped). */
+static inline uint32_t vq_dev_batch_end(const struct vq_device *q, uint32_t i)
+{
+    if (!(q->in_order && q->batch))
+        return i;
+    while (i + 1 < q->shadow_count && q->shadow_len[i] == q->id_wlen[q->shadow_id[i]])
+        i++;
+    return i;
+}
+
+static inline void vq_dev_retire(struct vq_device *q, uint32_t id)
+{
+    q->id_inflight[id] = 0;
+    q->inflight--;
+}
+
+static inline void vq_dev_flush_split(struct vq_device *q)
+{
+    uint16_t size = q->size;
+    for (uint32_t i = 0; i < q->shadow_count;) {
+        uint32_t j = vq_dev_batch_end(q, i);
+        struct vring_used_elem *e = &q->used->ring[q->used_idx & (size - 1)];   /* INORDER-08 */
+        e->id = q->shadow_id[j];
+        e->len = q->shadow_len[j];
+        for (uint32_t k = i; k <= j; k++)
+            vq_dev_retire(q, q->shadow_id[k]);
+        q->used_idx += (uint16_t)(j - i + 1);   /* INORDER-07 */
+        q->call_added += (uint16_t)(j - i + 1);
+        i = j + 1;
+    }
+    VQ_RELEASE(q->used->idx, q->used_idx);   /* SPLIT-V-08: entries before idx */
+}
+
+static inline void vq_dev_flush_packed(struct vq_device *q)
+{
+    uint16_t size = q->size, first = q->used_idx, first_flags = 0;
+    for (uint32_t i = 0; i < q->shadow_count;) {
+        uint32_t j = vq_dev_batch_end(q, i);
+        uint16_t slot = q->used_idx, adv = 0;
+        struct vring_packed_desc *d = &q->pdesc[slot];
+        uint16_t flags = vq_used_bits(q->used_wrap) | (q->shadow_len[j] ? VIRTQ_DESC_F_WRITE : 0);
+        d->id = (uint16_t)q->shadow_id[j];   /* INORDER-11/13: last id, at the batch's first slot */
+        d->len = q->shadow_len[j];
+        for (uint32_t k = i; k <= j; k++) {
+            adv += q->id_ndesc[q->shadow_id[k]];
+            vq_dev_retire(q, q->shadow_id[k]);
+        }
+        if (i == 0)
+            first_flags = flags;
+        else
+            VQ_SET(d->flags, flags);   /* after its body, before the first's */
+        q->used_idx += adv;
+        if (q->used_idx >= size) {
+            q->used_idx -= size;
+            q->used_wrap ^= 1;
+        }
+        q->call_added += adv;
+        i = j + 1;
+    }
+    VQ_RELEASE(q->pdesc[first].flags, first_flags);   /* PACKED-V-16: the first one last */
+}
+
+static inline void vq_dev_flush(struct vq_device *q)
+{
+    if (q->shadow_count == 0)
+        return;
+    if (q->packed)
+        vq_dev_flush_packed(q);
+    else
+        vq_dev_flush_split(q);
+    q->shadow_count = 0;
+}
+
+static inline int vq_dev_call_prepare(struct vq_device *q)
+{
+    int need;
+    VQ_FENCE();   /* MEM-10: publish used before reading the driver's suppression fields */
+    if (q->packed) {
+        uint16_t flags = VQ_ONCE(q->driver_event->flags);
+        if (flags == RING_EVENT_FLAGS_DISABLE)
+            need = 0;
+        else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)
+            need = vq_packed_need_event(VQ_ONCE(q->driver_event->off_wrap), q->used_idx,
+                                        (uint16_t)(q->used_idx - q->call_added), q->used_wrap, q->size);
+        else
+            need = 1;
+    } else if (q->event_idx) {   /* EVT-06/07 */
+        need = vq_need_event(VQ_ONCE(*vq_used_event(q->avail, q->size)), q->used_idx,
+                             (uint16_t)(q->used_idx - q->call_added));
+    } else {                     /* EVT-05 */
+        need = !(VQ_ONCE(q->avail->flags) & VIRTQ_AVAIL_F_NO_INTERRUPT);
+    }
+    q->call_added = 0;
+    return need;
+}
+
+static inline void vq_dev_enable_kicks(struct vq_device *q, int on)
+{
+    if (q->packed) {
+        VQ_SET(q->device_event->flags, on ? RING_EVENT_FLAGS_ENABLE : RING_EVENT_FLAGS_DISABLE);
+    } else if (q->event_idx) {   /* EVT-16: flags stay 0 */
+        VQ_SET(q->used->flags, 0);
+        VQ_SET(*vq_avail_event(q->used, q->size), (uint16_t)(on ? q->last_avail : q->last_avail + 0x7fff));
+    } else {
+        VQ_SET(q->used->flags, on ? 0 : VIRTQ_USED_F_NO_NOTIFY);
+    }
+    VQ_FENCE();   /* MEM-10: callers re-check the ring after enabling */
+}
+
+#endif

@@ -1,0 +1,168 @@
+"""POSIX shared-memory regions and the guest memory table.
+
+A region is created by one process (mode 0600, unique name) and attached by others, by name or by file
+descriptor (the descriptor is what travels over the vhost-user socket). The creator unlinks the name when it
+closes, at interpreter exit, or when the object is collected, so no segment is left behind.
+"""
+import atexit
+import mmap
+import os
+import secrets
+import weakref
+from dataclasses import dataclass
+
+import posix_ipc
+
+from .errors import AddressOutOfBounds, MemoryTableError, ShmError
+
+MAX_REGIONS = 8  # what DPDK 22.11 accepts in one SET_MEM_TABLE
+
+_live_names = set()
+
+
+@atexit.register
+def _unlink_leftovers():
+    for name in list(_live_names):
+        _unlink(name)
+
+
+def _unlink(name):
+    _live_names.discard(name)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+class ShmRegion:
+    """One mmap of a POSIX shared-memory object. ``buf`` is the writable mmap."""
+
+    def __init__(self, fd, size, name=None, owner=False, offset=0):
+        self.name = name
+        self.size = size
+        self.owner = owner
+        self._fd = fd
+        try:
+            self.buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE,
+                                 offset=offset)
+        except (OSError, ValueError) as e:
+            raise ShmError(f"cannot map {size} bytes of {name or f'fd {fd}'}: {e}") from e
+        self._finalizer = weakref.finalize(self, ShmRegion._cleanup, fd, name if owner else None)
+
+    @staticmethod
+    def _cleanup(fd, unlink_name):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        if unlink_name:
+            _unlink(unlink_name)
+
+    @classmethod
+    def create(cls, size, prefix="vring"):
+        if size <= 0:
+            raise ShmError(f"region size must be positive, got {size}")
+        name = f"/{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size)
+        except posix_ipc.Error as e:
+            raise ShmError(f"cannot create shared memory {name}: {e}") from e
+        _live_names.add(name)
+        try:
+            return cls(shm.fd, size, name=name, owner=True)
+        except ShmError:
+            os.close(shm.fd)
+            _unlink(name)
+            raise
+
+    @classmethod
+    def attach(cls, name, size=None):
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.Error as e:
+            raise ShmError(f"cannot open shared memory {name}: {e}") from e
+        size = shm.size if size is None else size
+        return cls(shm.fd, size, name=name)
+
+    @classmethod
+    def from_fd(cls, fd, size=None, offset=0):
+        """Map a descriptor received from a peer (the region takes ownership of ``fd``)."""
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise ShmError(f"bad fd {fd}: {e}") from e
+        if size is None:
+            size = st.st_size - offset
+        if offset < 0 or size <= 0 or offset + size > st.st_size:
+            os.close(fd)
+            raise ShmError(f"mapping {size:#x} bytes at offset {offset:#x} does not fit the file "
+                           f"({st.st_size:#x} bytes)")
+        return cls(fd, size, offset=offset)
+
+    def fileno(self):
+        return self._fd
+
+    def close(self):
+        """Unmap, close the fd and (for the creator) unlink the name. Safe to call twice."""
+        try:
+            self.buf.close()
+        except BufferError:
+            pass  # numpy/cffi views still alive: the mapping goes when they do
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@dataclass(frozen=True)
+class Region:
+    gpa: int
+    size: int
+    buf: object      # anything with the buffer protocol, writable (mmap, bytearray, numpy)
+    offset: int = 0  # where gpa maps inside buf
+
+
+class MemoryTable:
+    """Guest addresses -> (region, offset), with bounds checks that cannot overflow."""
+
+    def __init__(self, regions=()):
+        self.regions = []
+        for r in regions:
+            self.add(*r) if isinstance(r, tuple) else self.add(r.gpa, r.size, r.buf, r.offset)
+
+    def add(self, gpa, size, buf, offset=0):
+        if len(self.regions) >= MAX_REGIONS:
+            raise MemoryTableError(f"at most {MAX_REGIONS} regions")
+        if size <= 0 or gpa < 0 or gpa + size > 1 << 64:
+            raise MemoryTableError(f"region gpa={gpa:#x} size={size:#x} is empty or wraps 2^64")
+        if offset < 0 or offset + size > len(memoryview(buf).cast("B")):
+            raise MemoryTableError(f"region gpa={gpa:#x} size={size:#x} offset={offset:#x} "
+                                   f"does not fit its buffer")
+        for r in self.regions:
+            if gpa < r.gpa + r.size and r.gpa < gpa + size:
+                raise MemoryTableError(f"region gpa={gpa:#x} size={size:#x} overlaps "
+                                       f"gpa={r.gpa:#x} size={r.size:#x}")
+        self.regions.append(Region(gpa, size, buf, offset))
+        return self
+
+    def lookup(self, gpa, length):
+        """(region, offset in region.buf) for [gpa, gpa+length), or raise AddressOutOfBounds."""
+        for r in self.regions:
+            if r.gpa <= gpa and gpa - r.gpa <= r.size and length <= r.size - (gpa - r.gpa):
+                return r, r.offset + gpa - r.gpa
+        raise AddressOutOfBounds(f"guest range {gpa:#x}+{length:#x} is outside the memory table",
+                                 gpa, length)
+
+    def view(self, gpa, length):
+        """A writable memoryview of guest memory [gpa, gpa+length)."""
+        r, off = self.lookup(gpa, length)
+        return memoryview(r.buf).cast("B")[off:off + length]
+
+    def read(self, gpa, length):
+        return bytes(self.view(gpa, length))
+
+    def write(self, gpa, data):
+        self.view(gpa, len(data))[:] = data
