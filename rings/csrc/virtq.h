@@ -525,7 +525,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
 {
     uint16_t size = q->size;
     const struct vring_desc *table = q->desc;
-    uint32_t limit = size, hops = 0, i = head, s = c->nsegs;
+    uint32_t limit = size, hops = 0, i = head, s = c->nsegs, ring_descs = 0;
     int in_indirect = 0, seen_w = 0, r;
     uint64_t rlen = 0, wlen = 0;
     for (;;) {
@@ -536,6 +536,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
         d.next = VQ_ONCE(table[i].next);
         if (++hops > limit)
             return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, head, hops);
+        ring_descs += !in_indirect;
         if (d.flags & VIRTQ_DESC_F_INDIRECT) {
             if (in_indirect)
                 return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);
@@ -549,7 +550,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
             i = 0;
             continue;
         }
-        r = vq_dev_emit(q, c, &s, d.addr, d.len, d.flags & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+        r = vq_dev_emit(q, c, &s, d.addr, d.len, !!(d.flags & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
         if (r)
             return r;
         if (!(d.flags & VIRTQ_DESC_F_NEXT))
@@ -558,7 +559,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
             return vq_dev_fail(q, VQ_ERR_NEXT_OUT_OF_RANGE, i, d.next);
         i = d.next;
     }
-    return vq_dev_finish_chain(q, c, c->nsegs, s, head, 1, rlen, wlen);
+    return vq_dev_finish_chain(q, c, c->nsegs, s, head, (uint16_t)ring_descs, rlen, wlen);
 }
 
 static inline int vq_dev_poll_split(struct vq_device *q, struct vq_chains *c, uint32_t max)
@@ -612,13 +613,13 @@ static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, 
                 uint16_t f = VQ_ONCE(t[j].flags);
                 if (f & VIRTQ_DESC_F_INDIRECT)
                     return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, q->last_avail, j);
-                r = vq_dev_emit(q, c, &s, a, l, f & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+                r = vq_dev_emit(q, c, &s, a, l, !!(f & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
                 if (r)
                     return r;
             }
             break;
         }
-        r = vq_dev_emit(q, c, &s, d.addr, d.len, d.flags & VIRTQ_DESC_F_WRITE, &seen_w, &rlen, &wlen);
+        r = vq_dev_emit(q, c, &s, d.addr, d.len, !!(d.flags & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
         if (r)
             return r;
         if (!(d.flags & VIRTQ_DESC_F_NEXT))
