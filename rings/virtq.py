@@ -90,14 +90,19 @@ class _Queue:
         c.in_order = self.in_order
         c.event_idx = self.event_idx
         dsz, drv, dev = area_sizes(layout.fmt, layout.size)
+        try:
+            desc, driver, device = (self.mem.host(layout.desc, dsz), self.mem.host(layout.driver, drv),
+                                    self.mem.host(layout.device, dev))
+        except errors.AddressOutOfBounds as e:
+            raise ConfigError(f"ring area outside the memory table: {e}") from None
         if layout.packed:
-            c.pdesc = ffi.cast("struct vring_packed_desc *", self.mem.host(layout.desc, dsz))
-            c.driver_event = ffi.cast("struct vring_packed_event *", self.mem.host(layout.driver, drv))
-            c.device_event = ffi.cast("struct vring_packed_event *", self.mem.host(layout.device, dev))
+            c.pdesc = ffi.cast("struct vring_packed_desc *", desc)
+            c.driver_event = ffi.cast("struct vring_packed_event *", driver)
+            c.device_event = ffi.cast("struct vring_packed_event *", device)
         else:
-            c.desc = ffi.cast("struct vring_desc *", self.mem.host(layout.desc, dsz))
-            c.avail = ffi.cast("struct vring_avail *", self.mem.host(layout.driver, drv))
-            c.used = ffi.cast("struct vring_used *", self.mem.host(layout.device, dev))
+            c.desc = ffi.cast("struct vring_desc *", desc)
+            c.avail = ffi.cast("struct vring_avail *", driver)
+            c.used = ffi.cast("struct vring_used *", device)
         if layout.packed:
             c.avail_wrap = c.used_wrap = 1  # PACKED-D-02, PACKED-V-01
         n = layout.size
@@ -180,6 +185,13 @@ class DriverQueue(_Queue):
         lens = _u(lens, np.uint32)
         if len(addrs) != nseg.sum() or len(lens) != len(addrs):
             raise ConfigError("addrs and lens must hold nreadable+nwritable segments per buffer")
+        if len(lens):  # SPLIT-D-04: neither part of a buffer may exceed 2^32-1 bytes
+            starts = np.concatenate(([0], np.cumsum(nseg)[:-1]))
+            writable = np.arange(len(lens)) >= np.repeat(starts + nread, nseg)
+            per_buf = np.repeat(np.arange(len(nseg)), nseg)
+            for part in (writable, ~writable):
+                if (np.bincount(per_buf[part], lens[part], len(nseg)) > 0xFFFFFFFF).any():
+                    raise ConfigError("a buffer's readable or writable part exceeds 2^32-1 bytes")
         return lib.vq_drv_add(self.c, _ptr("uint64_t *", addrs), _ptr("uint32_t *", lens),
                               _ptr("uint16_t *", nread), _ptr("uint16_t *", nwrite),
                               _ptr("uint64_t *", tokens), len(tokens))

@@ -1,0 +1,44 @@
+"""Shared fixtures: guest memory, queue layouts, and the two implementations of the queue contract."""
+import contextlib
+import importlib
+
+import pytest
+
+from rings.layout import QueueLayout
+from rings.shm import MemoryTable, ShmRegion
+
+IMPLEMENTATIONS = {"reference": "rings.reference", "c": "rings.virtq"}
+
+
+@pytest.fixture(params=list(IMPLEMENTATIONS))
+def impl(request):
+    """The module under test (same class names and semantics, rings/README.md)."""
+    return importlib.import_module(IMPLEMENTATIONS[request.param])
+
+
+@pytest.fixture
+def mem_factory():
+    """mem_factory(nbytes, gpa, shm=False) -> a MemoryTable of one zeroed region of nbytes at address gpa.
+
+    With shm=True the region is POSIX shared memory; every region is closed and unlinked at teardown,
+    whatever the test did."""
+    regions = []
+
+    def make(nbytes, gpa, shm=False):
+        if shm:
+            regions.append(ShmRegion.create(nbytes))
+            buf = regions[-1].buf
+        else:
+            buf = bytearray(nbytes)
+        return MemoryTable([(gpa, nbytes, buf)])
+
+    yield make
+    with contextlib.ExitStack() as stack:  # closes every region even if one close raises
+        for region in regions:
+            stack.callback(region.close)
+
+
+@pytest.fixture
+def make_layout():
+    """make_layout(fmt, size, base) -> the contiguous QueueLayout (desc, driver, device areas) at base."""
+    return QueueLayout.contiguous
