@@ -21,6 +21,7 @@ from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT
                      VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT,
                      VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY, area_sizes, has,
                      need_event, packed_need_event)
+from . import rawdump as _rawdump
 from .snapshot import device_snapshot, driver_snapshot
 
 _U16 = struct.Struct("<H")
@@ -46,6 +47,7 @@ def _work(method):
         except RingError as e:
             e.side = self.side
             self.broken = e
+            _rawdump.on_broken(self, e)  # a raw snapshot, if a snapshot directory is set
             raise
     return run
 

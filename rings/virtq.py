@@ -6,6 +6,7 @@ Python runs once per call (a burst); the C code runs once per descriptor. The va
 import numpy as np
 
 from . import errors
+from . import rawdump as _rawdump
 from ._virtq import ffi, lib
 from .errors import ConfigError, UsageError
 from .layout import (VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC,
@@ -120,6 +121,7 @@ class _Queue:
     def _fail(self):
         c = self.c
         self.broken = ring_error(c.error, c.err_a, c.err_b, self.side, self.size)
+        _rawdump.on_broken(self, self.broken)  # a raw snapshot, if a snapshot directory is set
         raise self.broken
 
     def state(self):

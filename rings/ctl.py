@@ -1,0 +1,254 @@
+"""A small local control socket for ring dumps: a running process registers its queues by name and
+`vring dump --ctl SOCKET` asks for them.
+
+Server: ``ControlServer(path).register("tx0", queue).start()`` ... ``.close()``. ``queue`` is a queue half
+(rings.virtq / rings.reference DriverQueue or DeviceQueue, or anything with the interface rings.snapshot
+reads), an object holding one as ``.vq`` (virtio's TxQueue/RxQueue), or a zero-argument callable returning
+either (or None while it does not exist), for queues that are created or replaced later. Register and
+unregister at any time, from any thread.
+
+Protocol: AF_UNIX stream socket, mode 0600, one JSON object per line each way. Requests:
+
+    {"cmd": "list"}                  -> {"ok": true, "queues": [{"name", "format", "side", "size"}, ...]}
+    {"cmd": "snapshot", "name": N}   -> {"ok": true, "name": N, "time": t, "snapshot": {...}}
+    {"cmd": "raw", "name": N}        -> {"ok": true, "name": N, "time": t, "raw": base64 of the raw file}
+    {"cmd": "raw", "name": N, "path": P} -> the server writes the raw snapshot file at P: {"ok": true, "path": P}
+
+Errors: {"ok": false, "error": "..."}. The plain-text forms ``list``, ``snapshot NAME``, ``raw NAME`` are
+accepted too (handy with socat). The server reads ring memory and private counters without locks while
+the data path runs: it copies them first (rings.rawdump.capture) and decodes the copy.
+"""
+import base64
+import json
+import os
+import socket
+import stat
+import threading
+
+from . import rawdump
+from .errors import VringError
+
+MAX_REQUEST = 1 << 16
+
+
+class ControlServer:
+    def __init__(self, path):
+        self.path = os.fspath(path)
+        self._queues = {}
+        self._lock = threading.Lock()
+        self._sock = None
+        self._thread = None
+        self._closing = threading.Event()
+
+    def register(self, name, queue):
+        with self._lock:
+            self._queues[str(name)] = queue
+        return self
+
+    def unregister(self, name):
+        with self._lock:
+            self._queues.pop(str(name), None)
+        return self
+
+    def names(self):
+        with self._lock:
+            return sorted(self._queues)
+
+    def _queue(self, name):
+        with self._lock:
+            q = self._queues.get(name)
+        if q is not None and callable(q) and not hasattr(q, "state"):
+            q = q()
+        if q is not None and not hasattr(q, "state") and hasattr(q, "vq"):
+            q = q.vq  # a wrapper holding its ring queue (virtio's TxQueue / RxQueue)
+        if q is None:
+            raise KeyError(name)
+        return q
+
+    def start(self):
+        """Bind (replacing a stale socket file), listen, and serve in a daemon thread."""
+        if self._sock is not None:
+            return self
+        try:
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)  # the socket file is created 0600
+        try:
+            s.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        s.listen(8)
+        s.settimeout(0.2)
+        self._sock = s
+        self._thread = threading.Thread(target=self._serve, name=f"vring-ctl {self.path}", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self):
+        self._closing.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._sock is not None:
+            self._sock.close()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self._sock = self._thread = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _serve(self):
+        while not self._closing.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._client, args=(conn,), daemon=True).start()
+
+    def _client(self, conn):
+        conn.settimeout(10)
+        try:
+            f = conn.makefile("rwb")
+            while not self._closing.is_set():
+                line = f.readline(MAX_REQUEST)
+                if not line:
+                    return
+                if not line.endswith(b"\n") and len(line) >= MAX_REQUEST:
+                    reply = {"ok": False, "error": "request too long"}
+                else:
+                    reply = self.handle(line)
+                f.write(json.dumps(reply, separators=(",", ":")).encode() + b"\n")
+                f.flush()
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def handle(self, line):
+        """One request (bytes or str of JSON or plain text) -> the reply dict."""
+        try:
+            req = _parse(line)
+            cmd = req.get("cmd")
+            if cmd == "list":
+                out = []
+                for name in self.names():
+                    try:
+                        q = self._queue(name)
+                        out.append({"name": name, "format": q.layout.fmt, "side": q.side, "size": q.layout.size})
+                    except KeyError:
+                        pass
+                return {"ok": True, "queues": out}
+            if cmd in ("snapshot", "raw"):
+                name = req.get("name")
+                if not isinstance(name, str):
+                    return {"ok": False, "error": f"{cmd}: a queue name is needed"}
+                try:
+                    q = self._queue(name)
+                except KeyError:
+                    return {"ok": False, "error": f"no queue named {name!r} (have: {', '.join(self.names())})"}
+                raw = rawdump.capture(q, meta={"name": name, "pid": os.getpid()})
+                if cmd == "snapshot":
+                    return {"ok": True, "name": name, "time": raw.time, "snapshot": raw.snapshot()}
+                if req.get("path"):
+                    return {"ok": True, "name": name, "time": raw.time, "path": raw.save(req["path"])}
+                return {"ok": True, "name": name, "time": raw.time,
+                        "raw": base64.b64encode(raw.dumps()).decode()}
+            return {"ok": False, "error": f"unknown command {cmd!r} (list, snapshot NAME, raw NAME)"}
+        except Exception as e:  # noqa: BLE001 - a debugging aid answers every request, whatever a queue does
+            return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _parse(line):
+    if isinstance(line, bytes):
+        line = line.decode("utf-8", "replace")
+    line = line.strip()
+    if line.startswith("{"):
+        req = json.loads(line)
+        if not isinstance(req, dict):
+            raise ValueError("a request is a JSON object")
+        return req
+    words = line.split()
+    if not words:
+        raise ValueError("empty request")
+    req = {"cmd": words[0]}
+    if len(words) > 1:
+        req["name"] = words[1]
+    return req
+
+
+class ControlClient:
+    """A connection to a ControlServer; ``request(cmd, **args)`` returns the reply dict."""
+
+    def __init__(self, path, timeout=10.0):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.connect(os.fspath(path))
+        except OSError as e:
+            self.sock.close()
+            raise ConnectionError(f"cannot connect to control socket {path}: {e}") from None
+        self.f = self.sock.makefile("rwb")
+
+    def request(self, cmd, **args):
+        self.f.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        self.f.flush()
+        line = self.f.readline()
+        if not line:
+            raise ConnectionError("control socket closed the connection")
+        return json.loads(line)
+
+    def list(self):
+        return _ok(self.request("list"))["queues"]
+
+    def snapshot(self, name):
+        """(time, snapshot dict)."""
+        r = _ok(self.request("snapshot", name=name))
+        return r["time"], r["snapshot"]
+
+    def raw(self, name):
+        """The queue as a rawdump.RawSnapshot (copied in the server, decoded here)."""
+        return rawdump.loads(base64.b64decode(_ok(self.request("raw", name=name))["raw"]))
+
+    def close(self):
+        self.f.close()
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ControlError(VringError):
+    """The control server answered a request with an error."""
+
+
+def _ok(reply):
+    if not reply.get("ok"):
+        raise ControlError(reply.get("error", "request failed"))
+    return reply
+
+
+def request(path, cmd, timeout=10.0, **args):
+    """One request on a fresh connection: ``request(path, "snapshot", name="tx0")``."""
+    with ControlClient(path, timeout) as c:
+        return c.request(cmd, **args)
+
+
+def query(path, name=None, timeout=10.0):
+    """The client function: the list of queues (name None) or one queue's RawSnapshot."""
+    with ControlClient(path, timeout) as c:
+        return c.list() if name is None else c.raw(name)
+
