@@ -14,6 +14,10 @@ class ConfigError(VringError, ValueError):
     """A wrong argument or configuration (queue size, layout, feature combination)."""
 
 
+class FeatureRefused(ConfigError):
+    """The vhost-user peer does not offer (or did not accept) a feature we were asked to use."""
+
+
 class ShmError(VringError):
     """A shared-memory region could not be created, attached or mapped."""
 

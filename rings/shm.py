@@ -102,6 +102,12 @@ class ShmRegion:
     def fileno(self):
         return self._fd
 
+    def unlink(self):
+        """Remove the name now (the creator only). The memory lives on while it is mapped or its fd is
+        open, so a peer that got the fd keeps working, and a killed process leaves nothing in /dev/shm."""
+        if self.owner and self.name:
+            _unlink(self.name)
+
     def close(self):
         """Unmap, close the fd and (for the creator) unlink the name. Safe to call twice."""
         try:

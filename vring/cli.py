@@ -3,7 +3,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["demo"]
+SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench"]
 
 
 def build_parser():

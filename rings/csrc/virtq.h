@@ -514,7 +514,8 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
     q->id_inflight[id] = 1;
     q->inflight++;
     if (q->in_order) {
-        q->fifo[(q->fifo_head + q->fifo_count) % q->size] = id;
+        uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
+        q->fifo[tail >= q->size ? tail - q->size : tail] = id;
         q->fifo_count++;
     }
     return 0;
@@ -675,7 +676,8 @@ static inline int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, con
         if (q->in_order) {   /* INORDER-02 */
             if (q->fifo_count == 0 || q->fifo[q->fifo_head] != id)
                 return VQ_USAGE_OUT_OF_ORDER;
-            q->fifo_head = (uint16_t)((q->fifo_head + 1) % q->size);
+            if (++q->fifo_head == q->size)
+                q->fifo_head = 0;
             q->fifo_count--;
         }
         if (q->shadow_count >= q->size)

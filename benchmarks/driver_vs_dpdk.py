@@ -1,0 +1,139 @@
+"""Packets/s of `vring driver --mode macfwd` against DPDK net_vhost, and of DPDK's own virtio_user against the
+same net_vhost, in one run.
+
+Four paths (split/packed x normal/in-order), 64-byte frames, burst 32, mergeable Rx buffers on (virtio_user's
+default). net_vhost (testpmd ``--forward-mode=mac``) forwards on CPU 0; the driver side (ours, or virtio_user's
+testpmd) forwards on CPU 1 and primes the loop with one burst (``--count 32`` / ``start tx_first``; more with
+``--tx-first-bursts N``). Both are
+measured the same way, at the net_vhost port: its RX-packets counter sampled every PERIOD seconds, the first
+WARMUP samples dropped, the median of the rest reported. With ``--rounds N`` each path is measured N times
+(alternating ours / DPDK) and the median of the per-round medians is reported.
+
+    python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
+
+Prints one JSON document. Not a test.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from vring import dpdk  # noqa: E402
+
+PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (True, False),
+         "packed-inorder": (True, True)}
+
+
+def sample(tp, seconds, period, warmup, alive=lambda: True):
+    """Median of RX-packets deltas of net_vhost's port 0 (our clock) and of testpmd's own Rx-pps."""
+    t0 = time.monotonic()
+    prev = tp.stats(0)
+    own, tps = [], []
+    n = max(1, round(seconds / period)) + warmup
+    for k in range(1, n + 1):
+        delay = t0 + k * period - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if not alive():
+            break
+        cur = tp.stats(0)
+        own.append((cur.rx_packets - prev.rx_packets) / (cur.time - prev.time))
+        tps.append(cur.rx_pps)
+        prev = cur
+    kept, tkept = own[warmup:] or own, tps[warmup:] or tps
+    return {"median_pps": round(statistics.median(kept)) if kept else 0,
+            "testpmd_median_rx_pps": round(statistics.median(tkept)) if tkept else 0,
+            "samples": [round(x) for x in kept]}
+
+
+def measure_ours(tp, packed, in_order, args):
+    total = (args.warmup + round(args.seconds / args.period)) * args.period + 2
+    argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", tp.socket_path, "--json",
+            "--split" if not packed else "--packed", "--in-order" if in_order else "--no-in-order",
+            "--mrg-rxbuf", "--mode", "macfwd", "--count", str(args.burst * args.tx_first_bursts),
+            "--burst", str(args.burst),
+            "--pkt-size", "64", "--seconds", str(total), "--pin", "1", *args.driver_arg]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tp.wait_link_up(timeout=30)
+        r = sample(tp, args.seconds, args.period, args.warmup, alive=lambda: proc.poll() is None)
+        out, err = proc.communicate(timeout=total + 30)
+        if proc.returncode:
+            raise RuntimeError(f"vring driver failed: {err}")
+        res = json.loads(out)
+        r["driver_avg_rx_pps"] = res["rx_pps"]
+        r["driver_counters"] = {"rx": res["rx"]["packets"], "tx": res["tx"]["packets"],
+                                "kicks": res["tx"]["kicks"], "cleanups": res["tx"]["cleanups"]}
+        return r
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def measure_dpdk(tp, packed, in_order, args):
+    v = dpdk.Testpmd.virtio_user(tp.socket_path, packed=packed, in_order=in_order, mrg_rxbuf=True, fwd="mac",
+                                 burst=args.burst, tx_first=True, lcores=(0, 1), autostart=False)
+    try:
+        v.start(60)
+        tp.wait_link_up(timeout=30)
+        if args.tx_first_bursts == 1:
+            v.start_forwarding()
+        else:
+            out = v.command(f"start tx_first {args.tx_first_bursts}")
+            if "forwarding" not in out:
+                raise RuntimeError(f"testpmd did not start: {out[-300:]}")
+        return sample(tp, args.seconds, args.period, args.warmup)
+    finally:
+        v.close()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--period", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--burst", type=int, default=32)
+    ap.add_argument("--tx-first-bursts", type=int, default=1,
+                    help="bursts primed into the loop: testpmd `start tx_first N`, our --count N*burst")
+    ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--driver-arg", action="append", default=[],
+                    help="extra `vring driver` argument (repeat), e.g. --driver-arg=--spin=0")
+    args = ap.parse_args()
+    if dpdk.skip_reason():
+        sys.exit(dpdk.skip_reason())
+    out = {"config": vars(args), "paths": {}}
+    for name in args.paths.split(","):
+        packed, in_order = PATHS[name]
+        rounds = []
+        for _ in range(args.rounds):
+            tmp = tempfile.mkdtemp(prefix="vring-bench-")
+            tp = dpdk.Testpmd.vhost(os.path.join(tmp, "vhost.sock"), fwd="mac", burst=args.burst, lcores=(1, 0))
+            try:
+                tp.start(60)
+                tp.clear_stats()
+                ours = measure_ours(tp, packed, in_order, args)
+                dpdk_r = measure_dpdk(tp, packed, in_order, args)
+            finally:
+                tp.close()
+                shutil.rmtree(tmp, ignore_errors=True)
+            rounds.append({"vring_driver": ours, "dpdk_virtio_user": dpdk_r})
+        o = statistics.median(r["vring_driver"]["median_pps"] for r in rounds)
+        d = statistics.median(r["dpdk_virtio_user"]["median_pps"] for r in rounds)
+        out["paths"][name] = {"vring_driver_pps": round(o), "dpdk_virtio_user_pps": round(d),
+                              "ratio": round(o / d, 3) if d else None, "rounds": rounds}
+        print(f"{name}: vring driver {o / 1e6:.3f} Mpps, DPDK virtio_user {d / 1e6:.3f} Mpps, "
+              f"ratio {o / d if d else float('nan'):.3f}", file=sys.stderr)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

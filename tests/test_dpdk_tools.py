@@ -1,0 +1,221 @@
+"""vring.dpdk: dpdk-testpmd as a managed peer (net_vhost and virtio_user), its counters and its cleanup.
+
+The parser and discovery tests run everywhere; the ones that start testpmd are skipped with
+``skip_reason()`` when dpdk-testpmd is absent (``apt-get install -y dpdk-dev``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from vring import dpdk
+from vring.dpdk import FwdStats, PortStats, Testpmd, TestpmdError
+
+REASON = dpdk.skip_reason()
+needs_testpmd = pytest.mark.skipif(bool(REASON), reason=REASON or "dpdk-testpmd present")
+
+COUNTERS = ("rx_packets", "tx_packets", "rx_missed", "rx_errors", "tx_errors", "rx_pps", "tx_pps")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _group_alive(pgid: int) -> list[int]:
+    """pids of live (non-zombie) processes in process group ``pgid``."""
+    alive = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            alive.append(int(name))
+    return alive
+
+
+def _assert_gone(tp: Testpmd, pid: int) -> None:
+    assert tp.returncode is not None
+    assert _group_alive(pid) == []
+    assert not os.path.exists(tp.runtime_dir), f"runtime dir {tp.runtime_dir} left behind"
+
+
+@pytest.fixture
+def sock(tmp_path):
+    path = tmp_path / "vhost.sock"
+    yield str(path)
+    assert not path.exists(), "socket left behind"
+
+
+# ----------------------------------------------------------------------------- no testpmd needed
+
+def test_skip_reason_when_absent(monkeypatch):
+    monkeypatch.setenv("VRING_TESTPMD", "/nonexistent/dpdk-testpmd")
+    assert dpdk.find_testpmd() is None
+    assert dpdk.skip_reason() == "dpdk-testpmd not found; apt-get install -y dpdk-dev"
+    monkeypatch.delenv("VRING_TESTPMD")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert dpdk.find_testpmd() is None
+    with pytest.raises(TestpmdError, match="apt-get install -y dpdk-dev"):
+        Testpmd.vhost("/tmp/unused.sock", testpmd=None).launch()
+
+
+def test_command_lines_follow_the_reference_script():
+    v = Testpmd.vhost("/tmp/a.sock", burst=64, fwd="io")
+    assert v.argv[1:5] == ["-l", "1,0", "--main-lcore", "1"]
+    assert (v.main_cpu, v.fwd_cpu) == (1, 0)
+    for arg in ("--no-huge", "--no-pci", "-i", "--forward-mode=io", "--nb-cores=1", "--burst=64",
+                "--total-num-mbufs=16384", "net_vhost0,iface=/tmp/a.sock,queues=1"):
+        assert arg in v.argv
+    assert v.argv[v.argv.index("-m") + 1] == "512"
+    assert f"--file-prefix={v.file_prefix}" in v.argv
+    assert Testpmd.vhost("/tmp/a.sock", client=True).vdev.endswith(",client=1")
+
+    u = Testpmd.virtio_user("/tmp/a.sock", packed=True, in_order=False, mrg_rxbuf=False, queue_size=512)
+    assert u.argv[1:5] == ["-l", "0,1", "--main-lcore", "0"]
+    assert "--single-file-segments" in u.argv
+    assert u.vdev == "virtio_user0,path=/tmp/a.sock,queues=1,in_order=0,packed_vq=1,mrg_rxbuf=0,queue_size=512"
+    assert u.file_prefix != v.file_prefix
+    assert Testpmd.virtio_user("/tmp/a.sock", server=True).vdev.endswith(",server=1")
+
+    # explicit pinning; one CPU for both lcores maps two lcores onto it
+    assert Testpmd.vhost("/tmp/a.sock", lcores=(0, 1)).argv[1:5] == ["-l", "0,1", "--main-lcore", "0"]
+    assert Testpmd.vhost("/tmp/a.sock", lcores=(0, 0)).argv[1:5] == ["--lcores", "0@0,1@0", "--main-lcore", "0"]
+    with pytest.raises(ValueError):
+        Testpmd.vhost("/tmp/a.sock", fwd="bogus")
+
+
+def test_parsers_on_captured_output():
+    port_out = """
+  ######################## NIC statistics for port 0  ########################
+  RX-packets: 19651572   RX-missed: 3          RX-bytes:  1257700608
+  RX-errors: 1
+  RX-nombuf:  2
+  TX-packets: 19651604   TX-errors: 4          TX-bytes:  1257702656
+
+  Throughput (since last show)
+  Rx-pps:      9792786          Rx-bps:   5013906728
+  Tx-pps:      9792785          Tx-bps:   5013906727
+  ############################################################################
+"""
+    s = dpdk.parse_port_stats(port_out, 1.5)[0]
+    assert s == PortStats(port=0, rx_packets=19651572, rx_missed=3, rx_bytes=1257700608, rx_errors=1, rx_nombuf=2,
+                          tx_packets=19651604, tx_errors=4, tx_bytes=1257702656, rx_pps=9792786, rx_bps=5013906728,
+                          tx_pps=9792785, tx_bps=5013906727, time=1.5)
+    fwd_out = """
+  ---------------------- Forward statistics for port 0  ----------------------
+  RX-packets: 29505320       RX-dropped: 7             RX-total: 29505327
+  TX-packets: 29505352       TX-dropped: 9             TX-total: 29505361
+  ----------------------------------------------------------------------------
+
+  +++++++++++++++ Accumulated forward statistics for all ports+++++++++++++++
+  RX-packets: 29505320       RX-dropped: 7             RX-total: 29505327
+"""
+    f = dpdk.parse_fwd_stats(fwd_out)
+    assert f == {0: FwdStats(0, 29505320, 7, 29505327, 29505352, 9, 29505361)}
+    assert dpdk._script_median([5, 1, 4, 2]) == 2  # the script's lower middle
+    assert dpdk._script_median([3, 1, 2]) == 2
+
+
+# ----------------------------------------------------------------------------- with testpmd
+
+@needs_testpmd
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_vhost_and_virtio_user_forward_and_stop_cleanly(sock, packed):
+    with Testpmd.vhost(sock) as vhost:
+        assert os.path.exists(sock)
+        assert vhost.running and vhost.forwarding
+        with Testpmd.virtio_user(sock, packed=packed, in_order=True) as virtio:
+            assert virtio.forwarding  # started with `start tx_first`
+            assert vhost.wait_link_up(timeout=30) < 30
+            assert virtio.link_up()
+            vhost.stats(0)  # opens a pps window
+            first = virtio.stats(0)
+            time.sleep(1.5)
+            v_stats, u_stats = vhost.stats(0), virtio.stats(0)
+            for s in (v_stats, u_stats):
+                for name in COUNTERS:
+                    assert isinstance(getattr(s, name), int), name
+                assert s.rx_packets > 0 and s.tx_packets > 0
+                assert s.rx_pps > 0 and s.tx_pps > 0
+                assert s.rx_errors == 0 and s.tx_errors == 0
+            assert u_stats.rx_packets > first.rx_packets  # still flowing
+            live = virtio.fwd_stats()[0]
+            assert live.rx_packets > 0 and live.tx_packets > 0
+            vpid, upid = vhost.pid, virtio.pid
+        ufinal = virtio.final
+        assert ufinal.clean and ufinal.returncode == 0
+        assert ufinal.fwd[0].rx_packets > 0 and ufinal.fwd[0].rx_dropped == 0
+        assert ufinal.ports[0].tx_packets >= ufinal.fwd[0].tx_packets > 0
+        _assert_gone(virtio, upid)
+    vfinal = vhost.final
+    assert vfinal.clean and vfinal.returncode == 0
+    # mac forwarding: vhost sent back all it received, except a last burst that could find no room once the
+    # virtio side had stopped refilling its rx ring (counted as TX-dropped); virtio got all vhost sent
+    vf = vfinal.fwd[0]
+    assert vf.rx_packets == vf.tx_packets + vf.tx_dropped and vf.tx_packets > 0
+    assert vf.tx_dropped <= 2 * 32
+    assert ufinal.ports[0].rx_packets <= vfinal.ports[0].tx_packets
+    _assert_gone(vhost, vpid)
+    assert virtio.error_lines() == [] and vhost.error_lines() == []
+
+
+@needs_testpmd
+def test_virtio_user_server_with_vhost_client(sock):
+    virtio = Testpmd.virtio_user(sock, server=True)
+    vhost = Testpmd.vhost(sock, client=True)
+    try:
+        virtio.start()  # returns when the socket exists: probe waits in accept()
+        assert os.path.exists(sock) and not virtio.forwarding
+        vhost.start()
+        virtio.wait_ready(timeout=60)  # the client connected; autostart ran
+        assert virtio.forwarding
+        vhost.wait_link_up(timeout=30)
+        deadline = time.monotonic() + 10
+        while vhost.stats(0).rx_packets == 0:
+            assert time.monotonic() < deadline, "no packets reached net_vhost"
+            time.sleep(0.1)
+    finally:
+        ufinal = virtio.close()
+        vfinal = vhost.close()
+    assert ufinal.clean and vfinal.clean
+    assert vfinal.fwd[0].rx_packets > 0 and ufinal.fwd[0].rx_packets > 0
+    for tp in (virtio, vhost):
+        _assert_gone(tp, tp._child.proc.pid)
+
+
+@needs_testpmd
+def test_failed_probe_raises_and_cleans_up(tmp_path):
+    missing = str(tmp_path / "nobody-listens.sock")
+    virtio = Testpmd.virtio_user(missing)
+    with pytest.raises(TestpmdError, match="did not come up"):
+        virtio.start(timeout=60)
+    _assert_gone(virtio, virtio._child.proc.pid)
+    assert "virtio_user" in virtio.log
+
+
+@needs_testpmd
+def test_kill_leaves_nothing_behind(sock):
+    vhost = Testpmd.vhost(sock, autostart=False).start()
+    pid = vhost.pid
+    assert os.path.isdir(vhost.runtime_dir) and os.path.exists(sock)
+    assert not vhost.forwarding
+    vhost.kill()
+    assert vhost.final is not None and not vhost.final.clean
+    _assert_gone(vhost, pid)
+
+
+@needs_testpmd
+def test_measure_dpdk_pair_short():
+    r = dpdk.measure_dpdk_pair(packed=True, in_order=True, seconds=3, burst=32, period=1.0, warmup=1)
+    assert len(r["all_samples"]) == 3 and len(r["samples"]) == 2
+    assert all(isinstance(x, int) for x in r["samples"])
+    assert r["median_rx_pps"] > 0 and r["own_median_rx_pps"] > 0
+    assert r["virtio"]["clean"] and r["vhost"]["clean"]
+    assert r["errors"] == {"virtio": [], "vhost": []}

@@ -1,0 +1,293 @@
+"""The backend's C data path in one process: retries (OVS semantics), intermediate Tx queue, batched used
+writes, forwarding modes. The driver halves (rings.virtq.DriverQueue) share the memory with the device halves.
+
+Retry rule under test: after an enqueue attempt that delivered at least one packet, retry (at most --retries
+times); after an attempt that delivered nothing, stop; whatever is left is dropped and counted.
+"""
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF,
+                          QueueLayout, bit)
+from rings.shm import MemoryTable, ShmRegion
+from rings.virtq import DeviceQueue, DriverQueue
+from vhost._net import ffi
+from vhost.datapath import Datapath, Options
+
+GPA = 0x1000_0000
+SIZE = 256
+PKT = 2048
+HDR = 12
+
+
+class Pair:
+    """Driver + device halves of the Rx (vring 0) and Tx (vring 1) queues over one region."""
+
+    def __init__(self, options, packed=False, in_order=False, mrg=False, size=SIZE):
+        self.features = bit(VIRTIO_F_VERSION_1) | (bit(VIRTIO_F_RING_PACKED) if packed else 0) \
+            | (bit(VIRTIO_F_IN_ORDER) if in_order else 0) | (bit(VIRTIO_NET_F_MRG_RXBUF) if mrg else 0)
+        fmt = "packed" if packed else "split"
+        self.region = ShmRegion.create(0x20000 + 4 * size * PKT, prefix="vhost-dp-test")
+        self.mem = MemoryTable([(GPA, self.region.size, self.region.buf)])
+        self.layouts = [QueueLayout.contiguous(fmt, size, GPA + i * 0x10000) for i in range(2)]
+        self.drv = [DriverQueue(self.mem, lay, self.features) for lay in self.layouts]
+        self.dev = [DeviceQueue(self.mem, lay, self.features, in_order_batch=options.in_order_batch)
+                    for lay in self.layouts]
+        self.dp = Datapath(self.dev[0], self.dev[1], self.features, options)
+        self.free = list(range(4 * size))
+        self.seq = 0
+
+    def buf(self, slot):
+        return GPA + 0x20000 + slot * PKT
+
+    def post_rx(self, n, size=PKT):
+        if n <= 0:
+            return 0
+        slots = [self.free.pop() for _ in range(n)]
+        got = self.drv[0].add_simple(np.array([self.buf(s) for s in slots], np.uint64),
+                                     np.full(n, size, np.uint32), np.array(slots, np.uint64), writable=True)
+        assert got == n
+        self.drv[0].publish()
+        return got
+
+    def send(self, n, size=60):
+        slots = [self.free.pop() for _ in range(n)]
+        for s in slots:
+            f = bytes.fromhex("aaaaaaaaaaaa" "bbbbbbbbbbbb") + self.seq.to_bytes(4, "little")
+            self.seq += 1
+            self.mem.write(self.buf(s), bytes(HDR) + f + bytes(size - len(f)))
+        got = self.drv[1].add_simple(np.array([self.buf(s) for s in slots], np.uint64),
+                                     np.full(n, HDR + size, np.uint32), np.array(slots, np.uint64))
+        assert got == n
+        self.drv[1].publish()
+
+    def received(self):
+        tokens, lens = self.drv[0].reclaim()
+        out = [self.mem.read(self.buf(int(t)), int(n)) for t, n in zip(tokens, lens)]
+        self.free.extend(int(t) for t in tokens)
+        return out
+
+    def reclaim_tx(self):
+        tokens, _ = self.drv[1].reclaim()
+        self.free.extend(int(t) for t in tokens)
+        return len(tokens)
+
+    def close(self):
+        self.dp = self.dev = self.drv = None
+        self.mem = None
+        self.region.close()
+
+
+@pytest.fixture
+def pairs():
+    made = []
+
+    def make(options, **kw):
+        p = Pair(options, **kw)
+        made.append(p)
+        return p
+    yield make
+    for p in made:
+        p.close()
+
+
+# The hook is a C callback (cffi extern "Python"): the test's driver acts between two enqueue attempts.
+_hook_state = {}
+
+
+@ffi.def_extern()
+def vh_test_hook(ctx, attempt, delivered, left):
+    st = _hook_state
+    st["trace"].append((attempt, delivered, left))
+    posts = st["posts"]
+    if attempt < len(posts):
+        st["pair"].post_rx(posts[attempt])
+
+
+def run_with_hook(pair, initial, posts):
+    _hook_state.clear()
+    _hook_state.update(trace=[], posts=posts, pair=pair)
+    pair.dp.set_hook(_lib_hook())
+    pair.post_rx(initial)
+    pair.send(32)
+    pair.dp.step()
+    return _hook_state["trace"]
+
+
+def _lib_hook():
+    from vhost._net import lib
+    return lib.vh_test_hook
+
+
+@pytest.mark.parametrize("retries,initial,posts,want_attempts,want_delivered", [
+    (0, 10, [5, 5], 1, 10),              # no retries: the rest is dropped at once
+    (4, 10, [3] * 8, 5, 22),             # progress every time: exactly 4 retries, no more
+    (8, 0, [5] * 8, 1, 0),               # first attempt made no progress: no retry at all
+    (8, 5, [2, 0, 9], 3, 7),             # a retry that delivers nothing ends the retries
+    (8, 20, [20], 2, 32),                # everything delivered: retrying stops
+])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_retry_only_after_progress(pairs, retries, initial, posts, want_attempts, want_delivered, packed):
+    p = pairs(Options(retries=retries, fwd="io", txq_threshold=32), packed=packed)
+    trace = run_with_hook(p, initial, posts)
+    st = p.dp.stats()
+    assert len(trace) == want_attempts <= retries + 1
+    for k in range(1, len(trace)):
+        assert trace[k - 1][1] > 0, "a retry followed an attempt without progress"
+    assert st["rx_retries"] == want_attempts - 1
+    assert st["rx_packets"] == sum(d for _a, d, _l in trace) == want_delivered
+    assert st["rx_dropped"] == 32 - want_delivered          # every packet delivered or counted dropped
+    assert len(p.received()) == want_delivered
+    assert p.reclaim_tx() == 32
+
+
+def test_slow_driver_every_packet_delivered_or_dropped(pairs):
+    """A driver thread posts Rx buffers slowly while the backend runs: retries stay within the limit per
+    flush, and sent == delivered + dropped."""
+    p = pairs(Options(retries=3, fwd="io", txq_threshold=32, burst=32))
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def driver():
+        while not stop.is_set():
+            with lock:
+                if p.drv[0].num_free >= 4 and len(p.free) > 64:
+                    p.post_rx(4)
+                p.received()
+            time.sleep(0.0002)
+    t = threading.Thread(target=driver)
+    t.start()
+    sent = 0
+    try:
+        for _ in range(200):
+            with lock:
+                if p.drv[1].num_free >= 32 and len(p.free) > 64:
+                    p.send(32)
+                    sent += 32
+                p.reclaim_tx()
+            p.dp.run(budget_us=200)
+    finally:
+        stop.set()
+        t.join()
+    st = p.dp.stats()
+    flushes = st["flush_threshold"] + st["flush_rx_batch"]
+    assert st["tx_packets"] == sent
+    assert st["rx_packets"] + st["rx_dropped"] == sent
+    assert st["rx_retries"] <= 3 * flushes
+    assert st["rx_attempts"] == flushes + st["rx_retries"]
+    assert st["rx_packets"] > 0 and st["rx_dropped"] > 0
+
+
+def test_intermediate_queue_flush_causes(pairs):
+    p = pairs(Options(fwd="io", txq_threshold=8, txq_flush="threshold"))
+    p.post_rx(64)
+    p.send(10)
+    p.dp.step()                          # 10 >= 8: one enqueue of all 10
+    assert p.dp.stats()["flush_threshold"] == 1 and p.dp.pending == 0
+    p.send(3)
+    p.dp.step()                          # 3 < 8 and the poll found packets: they wait
+    assert p.dp.pending == 3
+    p.dp.step()                          # the Tx queue ran dry: drained, never stranded
+    st = p.dp.stats()
+    assert p.dp.pending == 0 and st["flush_idle"] == 1 and st["rx_packets"] == 13
+
+    q = pairs(Options(fwd="io", txq_threshold=32, txq_flush="timer:50000"))
+    q.post_rx(64)
+    q.send(5)
+    q.dp.step()
+    assert q.dp.pending == 5 and q.dp.stats()["flush_timer"] == 0
+    time.sleep(0.06)
+    q.dp.step()
+    assert q.dp.pending == 0 and q.dp.stats()["flush_timer"] == 1
+
+    r = pairs(Options(fwd="io", txq_threshold=32))   # rx-batch: drained after every poll iteration
+    r.post_rx(64)
+    r.send(5)
+    r.dp.step()
+    assert r.dp.pending == 0 and r.dp.stats()["flush_rx_batch"] == 1
+
+
+@pytest.mark.parametrize("fwd", ["macswap", "io", "rxonly"])
+def test_forwarding_modes(pairs, fwd):
+    p = pairs(Options(fwd=fwd))
+    p.post_rx(8)
+    p.send(4)
+    p.dp.step()
+    got = p.received()
+    st = p.dp.stats()
+    if fwd == "rxonly":
+        assert got == [] and st["fwd_dropped"] == 4 and st["tx_packets"] == 4
+        return
+    assert len(got) == 4
+    for d in got:
+        f = d[HDR:]
+        mac = (f[0:6], f[6:12])
+        assert mac == ((b"\xbb" * 6, b"\xaa" * 6) if fwd == "macswap" else (b"\xaa" * 6, b"\xbb" * 6))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_in_order_batch_one_used_entry_per_batch(pairs, packed):
+    """INORDER-06/07/11: with --in-order-batch the Tx completions of a burst are one used entry carrying the
+    last buffer's id; without it, one entry per buffer. The driver gets all 32 back either way."""
+    for batch in (False, True):
+        p = pairs(Options(fwd="rxonly", in_order_batch=batch), packed=packed, in_order=True)
+        p.send(32)
+        p.dp.step()
+        lay = p.layouts[1]
+        if packed:
+            ids = [struct.unpack_from("<H", p.mem.read(lay.desc + 16 * i + 12, 2))[0] for i in range(32)]
+            flags = [struct.unpack_from("<H", p.mem.read(lay.desc + 16 * i + 14, 2))[0] for i in range(32)]
+            used = [i for i in range(32) if flags[i] & 0x8000]
+            assert used == ([0] if batch else list(range(32)))
+            assert ids[0] == (31 if batch else 0)
+        else:
+            used_idx = struct.unpack_from("<H", p.mem.read(lay.device + 2, 2))[0]
+            first_id = struct.unpack_from("<I", p.mem.read(lay.device + 4, 4))[0]
+            second = struct.unpack_from("<I", p.mem.read(lay.device + 12, 4))[0]
+            assert used_idx == 32
+            assert first_id == (31 if batch else 0) and second == (0 if batch else 1)
+        assert p.reclaim_tx() == 32
+
+
+@pytest.mark.parametrize("used_batch", ["per-buffer", "per-burst"])
+@pytest.mark.parametrize("packed,in_order,mrg", [(False, False, False), (False, True, True),
+                                                 (True, False, True), (True, True, False)])
+def test_variants_move_every_packet(pairs, used_batch, packed, in_order, mrg):
+    p = pairs(Options(fwd="macswap", used_batch=used_batch), packed=packed, in_order=in_order, mrg=mrg)
+    total = 0
+    for _ in range(20):   # 20 x 30 = 600 packets: every ring wraps twice
+        p.post_rx(30)
+        p.send(30)
+        p.dp.step()
+        total += len(p.received())
+        assert p.reclaim_tx() == 30
+    st = p.dp.stats()
+    assert total == st["rx_packets"] == st["tx_packets"] == 600 and st["rx_dropped"] == 0
+
+
+def test_too_big_without_mrg_is_dropped_and_buffer_kept(pairs):
+    p = pairs(Options(fwd="io"))
+    p.post_rx(1, size=64)                # 12 + 60 = 72 bytes do not fit
+    p.send(1)
+    p.dp.step()
+    st = p.dp.stats()
+    assert st["rx_too_big"] == 1 and st["rx_packets"] == 0
+    p.send(1, size=40)                   # 52 bytes fit the same buffer
+    p.dp.step()
+    got = p.received()
+    assert len(got) == 1 and len(got[0]) == 52
+
+
+def test_broken_tx_ring_is_reported_typed(pairs):
+    p = pairs(Options())
+    lay = p.layouts[1]
+    p.mem.write(lay.driver + 2, struct.pack("<H", 999))
+    errors = p.dp.step()
+    from rings.errors import AvailIdxJump
+    assert set(errors) == {1} and isinstance(errors[1], AvailIdxJump)
+    assert p.dp.idle and p.dev[1].broken is errors[1]
+    assert p.dp.step() == {}             # reported once; the loop no longer touches that ring

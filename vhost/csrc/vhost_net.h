@@ -1,0 +1,454 @@
+/* The backend's data path: dequeue from the driver's Tx queue, forward, enqueue into its Rx queue.
+ * One C call runs many poll iterations; C runs once per packet / descriptor, nothing is allocated.
+ * Semantics: vhost/README.md (and issue 4). Ring primitives: rings/csrc/virtq.h. */
+#ifndef VHOST_NET_H
+#define VHOST_NET_H
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "virtq.h"
+#include "vhost_net_types.h"
+
+enum { VH_FWD_MACSWAP = 0, VH_FWD_IO = 1, VH_FWD_RXONLY = 2 };
+enum { VH_FLUSH_RX_BATCH = 0, VH_FLUSH_TIMER = 1, VH_FLUSH_THRESHOLD = 2 };
+enum { VH_BROKEN_RX = 1, VH_BROKEN_TX = 2 };
+#define VH_PREFETCH 8   /* packets ahead */
+
+/* The header and a short frame usually straddle two cache lines (virtio PMD puts the header right
+ * before the frame, at headroom - 12): fetch both. */
+static inline void vh_prefetch2(const uint8_t *p, int write)
+{
+    if (write) {
+        __builtin_prefetch(p, 1);
+        __builtin_prefetch(p + 64, 1);
+    } else {
+        __builtin_prefetch(p);
+        __builtin_prefetch(p + 64);
+    }
+}
+
+static inline uint64_t vh_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void vh_notify(struct vq_device *q, int fd, uint64_t *count)
+{   /* at most once per burst, and only when the driver asks (EVT-05/06, packed event suppression) */
+    if (vq_dev_call_prepare(q) && fd >= 0) {
+        uint64_t one = 1;
+        if (write(fd, &one, sizeof one) == sizeof one)
+            (*count)++;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Dequeue: the driver's Tx queue                                                              */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Copy the readable bytes of chain k after the first hdr_len (wherever the header lies: one
+ * descriptor with the frame, its own descriptor, or split over several) into dst. */
+static inline void vh_copy_out(const struct vq_chains *c, uint32_t k, uint32_t skip, uint8_t *dst)
+{
+    uint32_t s = c->seg_start[k], e = s + c->nseg[k];
+    for (; s < e; s++) {
+        uint32_t len = c->seg_len[s];
+        if (c->seg_write[s])
+            break;   /* readable segments come first (checked by poll) */
+        if (skip >= len) {
+            skip -= len;
+            continue;
+        }
+        memcpy(dst, c->seg_host[s] + skip, len - skip);
+        dst += len - skip;
+        skip = 0;
+    }
+}
+
+static inline void vh_macswap(uint8_t *p)
+{
+    uint8_t t[6];
+    memcpy(t, p, 6);
+    memcpy(p, p + 6, 6);
+    memcpy(p + 6, t, 6);
+}
+
+/* One dequeue burst into the intermediate queue; the used entries wait in the shadow (vh_tx_complete).
+ * Returns chains taken, or -1 (Tx queue broke). */
+static inline int vh_dequeue_burst(struct vh_net *n)
+{
+    struct vq_device *q = n->txq;
+    struct vq_chains *c = n->txc;
+    uint32_t room = n->pkt_cap - n->npkts, max = n->burst < room ? n->burst : room;
+    if (!q || max == 0)
+        return 0;
+    int got = vq_dev_poll(q, c, max);
+    if (got < 0) {
+        n->broken |= VH_BROKEN_TX;
+        n->txq = 0;
+        return -1;
+    }
+    if (got == 0)
+        return 0;
+    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd;
+    uint64_t bytes = 0;
+    uint32_t pk = n->npkts;
+    if (pk == 0 && n->flush_mode == VH_FLUSH_TIMER)
+        n->first_ns = vh_now_ns();
+    for (uint32_t k = 0; k < VH_PREFETCH && k < (uint32_t)got; k++)
+        vh_prefetch2(c->seg_host[c->seg_start[k]], 0);
+    for (uint32_t k = 0; k < (uint32_t)got; k++) {
+        uint32_t rlen = c->rlen[k];
+        if (k + VH_PREFETCH < (uint32_t)got)   /* the frames are in the driver's cache: overlap the misses */
+            vh_prefetch2(c->seg_host[c->seg_start[k + VH_PREFETCH]], 0);
+        n->ids[k] = c->id[k];
+        n->lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
+        if (rlen <= hdr) {
+            n->st.tx_runt++;
+        } else if (rlen - hdr > size) {
+            n->st.tx_oversize++;
+        } else {
+            uint32_t plen = rlen - hdr;
+            uint8_t *dst = n->pkt_data + (uint64_t)pk * size;
+            uint32_t s = c->seg_start[k];
+            if (c->nseg[k] == 1)
+                memcpy(dst, c->seg_host[s] + hdr, plen);
+            else
+                vh_copy_out(c, k, hdr, dst);
+            if (fwd == VH_FWD_MACSWAP && plen >= 12)
+                vh_macswap(dst);
+            n->pkt_len[pk] = plen;
+            bytes += plen;
+            n->st.tx_packets++;
+            if (fwd != VH_FWD_RXONLY)
+                pk++;
+            else
+                n->st.fwd_dropped++;
+        }
+        if (n->per_buffer) {
+            vq_dev_push_used(q, &n->ids[k], &n->lens[k], 1);
+            vq_dev_flush(q);
+        }
+    }
+    if (!n->per_buffer)
+        vq_dev_push_used(q, n->ids, n->lens, (uint32_t)got);
+    n->tx_unflushed = 1;
+    n->npkts = pk;
+    n->st.tx_bytes += bytes;
+    n->st.tx_bursts++;
+    return got;
+}
+
+/* Publish the Tx completions of the last burst: one used-idx store (split) / one head flags store
+ * (packed), then at most one call. The loop does this after the enqueue: the frames are already copied
+ * out, and the driver waits for its Rx packets first. */
+static inline void vh_tx_complete(struct vh_net *n)
+{
+    if (!n->tx_unflushed)
+        return;
+    n->tx_unflushed = 0;
+    if (!n->txq)
+        return;
+    vq_dev_flush(n->txq);
+    vh_notify(n->txq, n->tx_callfd, &n->st.tx_calls);
+}
+
+/* One dequeue burst, completed at once (tests and tools). */
+static inline int vh_dequeue(struct vh_net *n)
+{
+    int got = vh_dequeue_burst(n);
+    vh_tx_complete(n);
+    return got;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Enqueue: the driver's Rx queue                                                              */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Drop the consumed Rx chains from the carry (moving the rest to the front). */
+static inline void vh_rx_compact(struct vh_net *n)
+{
+    struct vq_chains *c = n->rxc;
+    uint32_t k = n->rx_next;
+    if (k == 0)
+        return;
+    n->rx_next = 0;
+    if (k >= c->n) {
+        c->n = 0;
+        c->nsegs = 0;
+        return;
+    }
+    uint32_t m = c->n - k, s0 = c->seg_start[k], ns = c->nsegs - s0;
+    memmove(c->id, c->id + k, m * sizeof *c->id);
+    memmove(c->ndesc, c->ndesc + k, m * sizeof *c->ndesc);
+    memmove(c->nseg, c->nseg + k, m * sizeof *c->nseg);
+    memmove(c->rlen, c->rlen + k, m * sizeof *c->rlen);
+    memmove(c->wlen, c->wlen + k, m * sizeof *c->wlen);
+    for (uint32_t i = 0; i < m; i++)
+        c->seg_start[i] = c->seg_start[i + k] - s0;
+    memmove(c->seg_addr, c->seg_addr + s0, ns * sizeof *c->seg_addr);
+    memmove(c->seg_len, c->seg_len + s0, ns * sizeof *c->seg_len);
+    memmove(c->seg_write, c->seg_write + s0, ns * sizeof *c->seg_write);
+    memmove(c->seg_host, c->seg_host + s0, ns * sizeof *c->seg_host);
+    c->n = m;
+    c->nsegs = ns;
+}
+
+/* Make up to `want` more Rx chains available after the unconsumed ones. Returns 0, or -1 (broken). */
+static inline int vh_rx_refill(struct vh_net *n, uint32_t want)
+{
+    struct vq_device *q = n->rxq;
+    struct vq_chains *c = n->rxc;
+    vh_rx_compact(n);
+    uint32_t max = c->n + want;
+    if (max > c->cap_chains)
+        max = c->cap_chains;
+    /* vq_dev_poll_* append after c->n / c->nsegs (vq_dev_poll would reset them) */
+    int r = q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
+    if (r < 0) {
+        n->broken |= VH_BROKEN_RX;
+        n->rxq = 0;
+        return -1;
+    }
+    return 0;
+}
+
+/* Write len bytes at byte offset off of chain k's writable part. */
+static inline void vh_copy_in(const struct vq_chains *c, uint32_t k, uint32_t off, const uint8_t *src,
+                              uint32_t len)
+{
+    uint32_t s = c->seg_start[k], e = s + c->nseg[k];
+    for (; s < e && len; s++) {
+        uint32_t sl = c->seg_len[s];
+        if (!c->seg_write[s])
+            continue;   /* a readable segment in an Rx chain: never written */
+        if (off >= sl) {
+            off -= sl;
+            continue;
+        }
+        uint32_t take = sl - off < len ? sl - off : len;
+        memcpy(c->seg_host[s] + off, src, take);
+        src += take;
+        len -= take;
+        off = 0;
+    }
+}
+
+/* The virtio-net header (NET-01): flags/gso/csum zero (nothing offloaded, NET-33/34), num_buffers. */
+static inline void vh_put_hdr(const struct vh_net *n, const struct vq_chains *c, uint32_t k, uint16_t nbuf)
+{
+    uint8_t h[12] = {0};
+    if (n->hdr_len >= 12) {   /* NET-28: 1 without MRG_RXBUF; NET-29: buffers used with it */
+        h[10] = (uint8_t)nbuf;
+        h[11] = (uint8_t)(nbuf >> 8);
+    }
+    uint32_t s = c->seg_start[k];
+    if (c->seg_write[s] && c->seg_len[s] >= n->hdr_len)
+        memcpy(c->seg_host[s], h, n->hdr_len);
+    else
+        vh_copy_in(c, k, 0, h, n->hdr_len);
+}
+
+/* Copy one packet into chain k right after the header (fast path: one writable segment). */
+static inline void vh_put_data(const struct vq_chains *c, uint32_t k, uint32_t off, const uint8_t *p,
+                               uint32_t len)
+{
+    uint32_t s = c->seg_start[k];
+    if (c->seg_write[s] && c->seg_len[s] >= off + len)
+        memcpy(c->seg_host[s] + off, p, len);
+    else
+        vh_copy_in(c, k, off, p, len);
+}
+
+/* One enqueue attempt of packets [first, first+count) of the intermediate queue.
+ * Returns the packets consumed (delivered or dropped as too big); *delivered counts the first kind.
+ * Stops at the first packet for which no Rx buffer is left. -1: the Rx queue broke. */
+static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t count, uint32_t *delivered)
+{
+    struct vq_device *q = n->rxq;
+    struct vq_chains *c = n->rxc;
+    uint32_t hdr = n->hdr_len, done = 0, m = 0, dl = 0;
+    uint64_t bytes = 0;
+    *delivered = 0;
+    if (c->n - n->rx_next < count && vh_rx_refill(n, count - (c->n - n->rx_next)) < 0)
+        return -1;
+    for (uint32_t k = n->rx_next; k < n->rx_next + VH_PREFETCH && k < c->n; k++)
+        vh_prefetch2(c->seg_host[c->seg_start[k]], 1);
+    for (; done < count; done++) {
+        uint32_t i = first + done, plen = n->pkt_len[i], total = plen + hdr;
+        const uint8_t *p = n->pkt_data + (uint64_t)i * n->pkt_size;
+        if (n->rx_next == c->n) {   /* the carry is empty: one more poll for the rest */
+            if (vh_rx_refill(n, count - done) < 0)
+                return -1;
+            if (c->n == 0)
+                break;
+        }
+        uint32_t k = n->rx_next;
+        if (k + VH_PREFETCH < c->n)
+            vh_prefetch2(c->seg_host[c->seg_start[k + VH_PREFETCH]], 1);
+        if (!n->mrg_rxbuf) {
+            if (c->wlen[k] < total) {   /* NET-27: one buffer per packet; this one is too small */
+                n->st.rx_too_big++;
+                continue;                /* the buffer stays for the next packet */
+            }
+            vh_put_hdr(n, c, k, 1);
+            vh_put_data(c, k, hdr, p, plen);
+            n->ids[m] = c->id[k];
+            n->lens[m] = total;
+            m++;
+            n->rx_next++;
+        } else {
+            if (c->wlen[k] < hdr) {      /* NET-25 broken by the driver: give it back empty */
+                n->ids[m] = c->id[k];
+                n->lens[m] = 0;
+                m++;
+                n->rx_next++;
+                n->st.rx_runt_bufs++;
+                done--;                  /* same packet again */
+                continue;
+            }
+            /* reserve enough buffers first (NET-29..31), polling more when the carry runs out */
+            uint32_t j = k, acc = 0;
+            int enough = 1;
+            while (acc < total) {
+                if (j == c->n) {
+                    uint32_t off = n->rx_next;
+                    if (vh_rx_refill(n, count - done + 1) < 0)
+                        return -1;
+                    j -= off;   /* compact moved the carry to the front */
+                    k -= off;
+                    if (j == c->n) {
+                        enough = 0;
+                        break;
+                    }
+                }
+                acc += c->wlen[j];
+                j++;
+            }
+            if (!enough)
+                break;   /* the reserved buffers stay in the carry */
+            uint32_t nbuf = j - k, left = plen, off = hdr;
+            vh_put_hdr(n, c, k, (uint16_t)nbuf);
+            for (uint32_t b = k; b < j; b++) {
+                uint32_t room = c->wlen[b] - off, take = left < room ? left : room;
+                if (take)
+                    vh_put_data(c, b, off, p + (plen - left), take);
+                n->ids[m] = c->id[b];
+                n->lens[m] = off + take;   /* NET-30: all but the last are full */
+                m++;
+                left -= take;
+                off = 0;
+            }
+            n->rx_next = j;
+        }
+        dl++;
+        bytes += plen;
+        if (n->per_buffer) {   /* all buffers of one packet are published together (NET-31) */
+            vq_dev_push_used(q, n->ids, n->lens, m);
+            vq_dev_flush(q);
+            n->st.rx_buffers += m;
+            m = 0;
+        }
+    }
+    if (m) {
+        vq_dev_push_used(q, n->ids, n->lens, m);
+        n->st.rx_buffers += m;
+    }
+    vq_dev_flush(q);
+    n->st.rx_packets += dl;
+    n->st.rx_bytes += bytes;
+    *delivered = dl;
+    return (int)done;
+}
+
+/* Send the whole intermediate queue to the Rx queue: retries only while the previous attempt
+ * delivered something, at most n->retries of them; what is left is dropped and counted. */
+static inline int vh_txq_flush(struct vh_net *n)
+{
+    uint32_t first = 0, left = n->npkts, attempt = 0, delivered;
+    int rc = 0;
+    if (left == 0)
+        return 0;
+    n->npkts = 0;
+    if (!n->rxq) {
+        n->st.rx_dropped += left;
+        return 0;
+    }
+    for (;;) {
+        int r = vh_enqueue_attempt(n, first, left, &delivered);
+        n->st.rx_attempts++;
+        if (r < 0) {
+            rc = -1;
+            break;
+        }
+        first += (uint32_t)r;
+        left -= (uint32_t)r;
+        if (n->hook)
+            n->hook(n->hook_ctx, attempt, delivered, left);
+        if (left == 0 || delivered == 0 || attempt >= n->retries)
+            break;
+        attempt++;
+        n->st.rx_retries++;
+    }
+    n->st.rx_dropped += left;
+    if (n->rxq)
+        vh_notify(n->rxq, n->rx_callfd, &n->st.rx_calls);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The loop                                                                                    */
+/* ------------------------------------------------------------------------------------------- */
+
+/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). */
+static inline int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
+{
+    uint64_t start = vh_now_ns();
+    for (uint32_t it = 0; it < max_iters; it++) {
+        uint64_t t0 = n->timing ? vh_now_ns() : 0;
+        int got = vh_dequeue_burst(n);
+        if (n->npkts >= n->threshold) {
+            n->st.flush_threshold++;
+            vh_txq_flush(n);
+        } else if (n->npkts) {
+            if (n->flush_mode == VH_FLUSH_RX_BATCH) {
+                n->st.flush_rx_batch++;
+                vh_txq_flush(n);
+            } else if (n->flush_mode == VH_FLUSH_TIMER) {
+                if (vh_now_ns() - n->first_ns >= n->timer_ns) {
+                    n->st.flush_timer++;
+                    vh_txq_flush(n);
+                }
+            } else if (got <= 0) {   /* threshold mode: drain when the Tx queue runs dry */
+                n->st.flush_idle++;
+                vh_txq_flush(n);
+            }
+        }
+        vh_tx_complete(n);
+        n->st.iterations++;
+        if (n->timing && got > 0) {
+            n->st.busy_iterations++;
+            n->st.busy_ns += vh_now_ns() - t0;
+        }
+        if (!n->txq && !n->npkts)
+            break;   /* nothing left to do */
+        if ((it & 63) == 63 && vh_now_ns() - start >= budget_ns)
+            break;
+    }
+    return n->broken;
+}
+
+/* Drop whatever waits in the intermediate queue (when the device stops). */
+static inline uint32_t vh_discard(struct vh_net *n)
+{
+    uint32_t k = n->npkts;
+    n->st.rx_dropped += k;
+    n->npkts = 0;
+    return k;
+}
+
+#endif

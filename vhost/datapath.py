@@ -1,0 +1,220 @@
+"""The forwarding data path of one virtio-net queue pair, in C (``vhost._net``, csrc/vhost_net.h).
+
+Python calls ``run()`` once per time slice; C runs the poll iterations: dequeue a burst from the driver's Tx
+queue (vring 1) into the intermediate queue, forward (macswap / io / rxonly), and flush the intermediate queue
+into the driver's Rx queue (vring 0) at the threshold, after each poll iteration (``rx-batch``), after a
+timer, or when the Tx queue runs dry (``threshold``), with retries only after progress. The variant is fixed
+when the object is built; nothing is allocated per packet or per burst.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from rings._virtq import ffi as rings_ffi
+from rings.errors import ConfigError
+from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has)
+from rings.virtq import ring_error
+
+from ._net import ffi, lib
+
+log = logging.getLogger("vhost")
+
+FWD_MODES = {"macswap": 0, "io": 1, "rxonly": 2}
+USED_BATCH = ("per-burst", "per-buffer")
+MAX_RETRIES = 8
+STATS_FIELDS = tuple(name for name, _ in ffi.typeof("struct vh_stats").fields)
+
+#: Per-queue counters (vring 0 = the driver's Rx queue, vring 1 = its Tx queue) and the intermediate queue's.
+RXQ_FIELDS = ("rx_packets", "rx_bytes", "rx_buffers", "rx_dropped", "rx_too_big", "rx_runt_bufs",
+              "rx_retries", "rx_attempts", "rx_calls")
+TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls")
+INTERMEDIATE_FIELDS = ("flush_threshold", "flush_rx_batch", "flush_timer", "flush_idle", "fwd_dropped",
+                       "iterations", "busy_iterations", "busy_ns")
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``vring vhost`` configures (validated here, once)."""
+
+    burst: int = 32
+    retries: int = 0
+    used_batch: str = "per-burst"     # 'per-burst' | 'per-buffer'
+    in_order_batch: bool = False
+    txq_threshold: int = 32
+    txq_flush: str = "rx-batch"       # 'rx-batch' | 'timer:US' | 'threshold'
+    fwd: str = "macswap"              # 'macswap' | 'io' | 'rxonly'
+    pkt_size: int = 2048              # bytes per backend packet buffer (larger packets are dropped)
+    timing: bool = False              # count busy_ns: the time of iterations that moved packets
+
+    def __post_init__(self):
+        if not 1 <= self.burst <= 1024:
+            raise ConfigError(f"burst must be 1..1024, not {self.burst}")
+        if not 0 <= self.retries <= MAX_RETRIES:
+            raise ConfigError(f"retries must be 0..{MAX_RETRIES}, not {self.retries}")
+        if self.used_batch not in USED_BATCH:
+            raise ConfigError(f"used batch must be one of {USED_BATCH}, not {self.used_batch!r}")
+        if not 1 <= self.txq_threshold <= 4096:
+            raise ConfigError(f"txq threshold must be 1..4096, not {self.txq_threshold}")
+        if self.fwd not in FWD_MODES:
+            raise ConfigError(f"forwarding mode must be one of {tuple(FWD_MODES)}, not {self.fwd!r}")
+        if not 64 <= self.pkt_size <= 65536:
+            raise ConfigError(f"packet buffer size must be 64..65536, not {self.pkt_size}")
+        self.flush_mode()
+
+    def flush_mode(self):
+        """(C mode, timer in ns) for ``txq_flush``."""
+        f = self.txq_flush
+        if f == "rx-batch":
+            return 0, 0
+        if f == "threshold":
+            return 2, 0
+        if f.startswith("timer:"):
+            try:
+                us = int(f[6:])
+            except ValueError:
+                us = -1
+            if not 0 <= us <= 10_000_000:
+                raise ConfigError(f"txq flush timer must be timer:US with US in 0..10000000, not {f!r}")
+            return 1, us * 1000
+        raise ConfigError(f"txq flush must be rx-batch, timer:US or threshold, not {f!r}")
+
+
+def hdr_len(features):
+    """NET-02/NET-03: 12 bytes with MRG_RXBUF, VERSION_1 or RING_PACKED, else the legacy 10."""
+    return 12 if (has(features, VIRTIO_NET_F_MRG_RXBUF) or has(features, VIRTIO_F_VERSION_1)
+                  or has(features, VIRTIO_F_RING_PACKED)) else 10
+
+
+def _cast_dev(q):
+    return ffi.cast("struct vq_device *", int(rings_ffi.cast("uintptr_t", q.c)))
+
+
+def _ptr(ctype, arr):
+    return ffi.cast(ctype, ffi.from_buffer(arr))
+
+
+class _ChainsBuf:
+    """A ``struct vq_chains`` of this module with host pointers (``seg_host``) filled by the poll."""
+
+    def __init__(self, cap_chains, cap_segs):
+        self.arrays = {
+            "id": np.zeros(cap_chains, np.uint16), "ndesc": np.zeros(cap_chains, np.uint16),
+            "nseg": np.zeros(cap_chains, np.uint16), "seg_start": np.zeros(cap_chains, np.uint32),
+            "rlen": np.zeros(cap_chains, np.uint32), "wlen": np.zeros(cap_chains, np.uint32),
+            "seg_addr": np.zeros(cap_segs, np.uint64), "seg_len": np.zeros(cap_segs, np.uint32),
+            "seg_write": np.zeros(cap_segs, np.uint8), "seg_host": np.zeros(cap_segs, np.uint64),
+        }
+        c = self.c = ffi.new("struct vq_chains *")
+        c.cap_chains, c.cap_segs = cap_chains, cap_segs
+        fields = dict(ffi.typeof("struct vq_chains").fields)
+        for name, arr in self.arrays.items():
+            setattr(c, name, ffi.cast(fields[name].type, ffi.from_buffer(arr)))
+
+
+class Datapath:
+    """The C loop over one Rx (vring 0) and one Tx (vring 1) DeviceQueue; either may be None (not served)."""
+
+    def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1):
+        self.options = options
+        self.rxq, self.txq = rxq, txq
+        self.features = features
+        n = self.n = ffi.new("struct vh_net *")
+        sizes = [q.size for q in (rxq, txq) if q is not None] or [1]
+        if rxq is not None:
+            self._rxc = _ChainsBuf(rxq.size, 2 * rxq.size + 64)
+            n.rxq = _cast_dev(rxq)
+            n.rxc = self._rxc.c
+        if txq is not None:
+            self._txc = _ChainsBuf(min(options.burst, txq.size), 2 * txq.size + 64)
+            n.txq = _cast_dev(txq)
+            n.txc = self._txc.c
+        n.rx_callfd, n.tx_callfd = rx_callfd, tx_callfd
+        n.hdr_len = hdr_len(features)
+        n.mrg_rxbuf = has(features, VIRTIO_NET_F_MRG_RXBUF)
+        n.burst = options.burst
+        n.retries = options.retries
+        n.per_buffer = options.used_batch == "per-buffer"
+        n.fwd = FWD_MODES[options.fwd]
+        n.threshold = options.txq_threshold
+        n.flush_mode, n.timer_ns = options.flush_mode()
+        n.timing = options.timing
+        cap = options.txq_threshold + options.burst
+        self._pkt_data = np.zeros(cap * options.pkt_size, np.uint8)
+        self._pkt_len = np.zeros(cap, np.uint32)
+        n.pkt_data = _ptr("uint8_t *", self._pkt_data)
+        n.pkt_len = _ptr("uint32_t *", self._pkt_len)
+        n.pkt_size, n.pkt_cap = options.pkt_size, cap
+        scratch = max(max(sizes), options.burst)
+        self._ids = np.zeros(scratch, np.uint32)
+        self._lens = np.zeros(scratch, np.uint32)
+        n.ids = _ptr("uint32_t *", self._ids)
+        n.lens = _ptr("uint32_t *", self._lens)
+        self._reported = 0
+        self.errors = {}   # vring index -> RingError
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run(self, budget_us=500, max_iters=1 << 20):
+        """Poll for about ``budget_us`` microseconds. Returns the RingErrors that broke a queue in this slice
+        (as ``{vring index: error}``; the queue is then left alone, the other keeps running)."""
+        broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
+        if broken != self._reported:
+            return self._collect(broken)
+        return {}
+
+    def step(self):
+        """One poll iteration (tests)."""
+        return self.run(budget_us=0, max_iters=1)
+
+    def _collect(self, broken):
+        new = {}
+        for bit, idx, q in ((1, 0, self.rxq), (2, 1, self.txq)):
+            if broken & bit and not self._reported & bit:
+                c = q.c
+                q.broken = ring_error(c.error, c.err_a, c.err_b, "device", q.size)
+                self.errors[idx] = new[idx] = q.broken
+        self._reported = broken
+        return new
+
+    @property
+    def pending(self):
+        """Packets waiting in the intermediate queue."""
+        return int(self.n.npkts)
+
+    def discard(self):
+        """Drop what waits in the intermediate queue (counted as rx_dropped)."""
+        return int(lib.vh_discard(self.n))
+
+    @property
+    def idle(self):
+        """True when no queue is left to poll."""
+        return self.n.txq == ffi.NULL
+
+    # -- counters --------------------------------------------------------------------------------
+
+    def stats(self):
+        st = self.n.st
+        return {name: int(getattr(st, name)) for name in STATS_FIELDS}
+
+    def set_hook(self, hook, ctx=ffi.NULL):
+        """Tests: ``hook`` is a C function pointer (``lib.vh_test_hook``) called after each enqueue attempt."""
+        self.n.hook = hook
+        self.n.hook_ctx = ctx
+
+
+def split_stats(st):
+    """The flat counter dict as per-queue groups: ``{'rxq0': ..., 'txq1': ..., 'intermediate': ...}``."""
+    return {
+        "rxq0": {k: st.get(k, 0) for k in RXQ_FIELDS},
+        "txq1": {k: st.get(k, 0) for k in TXQ_FIELDS},
+        "intermediate": {k: st.get(k, 0) for k in INTERMEDIATE_FIELDS},
+    }
+
+
+def add_stats(total, st):
+    for k, v in st.items():
+        total[k] = total.get(k, 0) + v
+    return total

@@ -1,0 +1,423 @@
+"""The virtio-net device model behind the vhost-user server: what each request means.
+
+One ``NetDevice`` per connection. ``handle(msg)`` applies one decoded request and returns the reply payload
+(or None); it raises ``Refused`` when the request is valid on the wire but cannot be honoured (a feature not
+offered, a region outside its file, a ring outside the memory table, a vring index we do not have, ...). The
+server turns that into a NACK (NEED_REPLY) or closes the connection (no NEED_REPLY), as DPDK does.
+
+One queue pair: vring 0 is the driver's Rx queue (the device writes), vring 1 its Tx queue (the device reads).
+No MQ, no control queue. The data path starts when both vrings are ready the way DPDK 22.11 decides it
+(``vq_is_ready`` + ``virtio_is_ready``: mem table, num, addr, kick, call, enabled, and DRIVER_OK if STATUS was
+negotiated) and stops as soon as that no longer holds; the ring positions are kept as the vring base
+(split: used idx; packed: used slot | used wrap << 15, which equals the avail position minus what was polled
+and not yet used), so a restart resumes exactly there.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from rings import vhost_user as vu
+from rings.errors import ConfigError, RingError, ShmError, VringError
+from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
+                          VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
+                          VIRTIO_NET_F_MRG_RXBUF, QueueLayout, area_sizes, bit, feature_names, has)
+from rings.shm import MemoryTable, ShmRegion
+from rings.virtq import CMemory, DeviceQueue
+
+from .datapath import Datapath, Options, add_stats
+
+log = logging.getLogger("vhost")
+
+R = vu.VhostUserRequest
+PF = vu.VhostUserProtocolFeature
+
+#: Virtio features this device offers. No MQ/CTRL_VQ (one pair, no control queue), no LOG_ALL, no MTU/MAC
+#: (no config space), no offloads (headers are written with flags 0 and read without parsing).
+OFFERED_FEATURES = (bit(VIRTIO_NET_F_MRG_RXBUF) | bit(VIRTIO_F_INDIRECT_DESC) | bit(VIRTIO_F_EVENT_IDX)
+                    | bit(VHOST_USER_F_PROTOCOL_FEATURES) | bit(VIRTIO_F_VERSION_1)
+                    | bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER))
+#: Protocol features: REPLY_ACK and STATUS (MQ is not offered: we serve one pair).
+OFFERED_PROTOCOL_FEATURES = bit(PF.REPLY_ACK) | bit(PF.STATUS)
+
+NUM_VRINGS = 2
+STATUS_DRIVER_OK = 0x4
+STATUS_FEATURES_OK = 0x8
+UNSET = -2     # a kick/call fd never received (DPDK's VIRTIO_UNINITIALIZED_EVENTFD)
+NOFD = -1      # received with the NOFD flag: no notifications
+
+
+class Refused(VringError):
+    """A request that is well-formed but cannot be honoured; the server NACKs it or drops the connection."""
+
+
+@dataclass
+class Vring:
+    index: int
+    num: int | None = None
+    addr: vu.VringAddr | None = None
+    base: int = 0                 # SET_VRING_BASE encoding (packed: bit 15 = wrap)
+    base_set: bool = False
+    kickfd: int = UNSET
+    callfd: int = UNSET
+    enabled: bool = False
+    broken: Exception | None = None
+
+    def close_fds(self):
+        for attr in ("kickfd", "callfd"):
+            fd = getattr(self, attr)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            setattr(self, attr, UNSET)
+
+
+class NetDevice:
+    """State of one vhost-user connection: features, memory table, two vrings, and the running data path."""
+
+    def __init__(self, options: Options | None = None, features=OFFERED_FEATURES,
+                 protocol_features=OFFERED_PROTOCOL_FEATURES):
+        self.options = options or Options()
+        self.offered = features
+        self.offered_pf = protocol_features
+        self.features = 0
+        self.features_set = False
+        self.protocol_features = 0
+        self.status = 0
+        self.owner = False
+        self.regions: list[tuple[vu.MemRegion, ShmRegion]] = []
+        self.mem: MemoryTable | None = None
+        self.cmem: CMemory | None = None
+        self.vrings = [Vring(i) for i in range(NUM_VRINGS)]
+        self.datapath: Datapath | None = None
+        self.totals: dict = {}      # counters of data paths that have stopped (this connection)
+        self.ring_errors: list[RingError] = []
+        self._handlers = {
+            R.GET_FEATURES: self._get_features, R.SET_FEATURES: self._set_features,
+            R.SET_OWNER: self._set_owner, R.RESET_OWNER: self._reset_owner,
+            R.SET_MEM_TABLE: self._set_mem_table,
+            R.SET_VRING_NUM: self._set_vring_num, R.SET_VRING_ADDR: self._set_vring_addr,
+            R.SET_VRING_BASE: self._set_vring_base, R.GET_VRING_BASE: self._get_vring_base,
+            R.SET_VRING_KICK: self._set_vring_kick, R.SET_VRING_CALL: self._set_vring_call,
+            R.SET_VRING_ERR: self._set_vring_err,
+            R.GET_PROTOCOL_FEATURES: self._get_protocol_features,
+            R.SET_PROTOCOL_FEATURES: self._set_protocol_features,
+            R.GET_QUEUE_NUM: self._get_queue_num, R.SET_VRING_ENABLE: self._set_vring_enable,
+            R.SET_STATUS: self._set_status, R.GET_STATUS: self._get_status,
+        }
+
+    # -- entry point -----------------------------------------------------------------------------
+
+    def handle(self, msg: vu.Message, value):
+        """Apply a decoded request. Returns the reply payload (bytes) for requests that have one, else None.
+        Raises Refused. The message's fds are taken or closed here, whatever happens."""
+        handler = self._handlers.get(msg.request)
+        try:
+            if handler is None:
+                raise Refused(f"{msg.name} is not supported by this device "
+                              f"(its protocol feature was not offered)")
+            return handler(msg, value)
+        finally:
+            msg.close_fds()   # whatever a handler did not take
+            self.update()
+
+    # -- features --------------------------------------------------------------------------------
+
+    def _get_features(self, msg, value):
+        return vu.pack_u64(self.offered)
+
+    def _set_features(self, msg, value):
+        extra = value & ~self.offered
+        if extra:
+            raise Refused(f"SET_FEATURES {value:#x} acks bits that were not offered: {feature_names(extra)}")
+        if self.features_set and value != self.features:
+            self._stop("features changed")
+        self.features = value
+        self.features_set = True
+        log.info("features %#x: %s", value, " ".join(feature_names(value)))
+
+    def _get_protocol_features(self, msg, value):
+        return vu.pack_u64(self.offered_pf)
+
+    def _set_protocol_features(self, msg, value):
+        extra = value & ~self.offered_pf
+        if extra:
+            raise Refused(f"SET_PROTOCOL_FEATURES {value:#x} acks bits that were not offered ({extra:#x})")
+        self.protocol_features = value
+
+    def _set_owner(self, msg, value):
+        self.owner = True   # DPDK ignores it too; a reconnecting virtio_user server never sends it
+
+    def _reset_owner(self, msg, value):
+        self._stop("RESET_OWNER")
+        for v in self.vrings:
+            v.close_fds()
+        self.vrings = [Vring(i) for i in range(NUM_VRINGS)]
+        self.features, self.features_set, self.status = 0, False, 0
+
+    def _get_queue_num(self, msg, value):
+        return vu.pack_u64(1)
+
+    def _set_status(self, msg, value):
+        if value > 0xFF:
+            raise Refused(f"SET_STATUS {value:#x}: the device status is one byte")
+        if value == 0:
+            self._stop("device reset (status 0)")
+        self.status = value
+
+    def _get_status(self, msg, value):
+        return vu.pack_u64(self.status)
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def _set_mem_table(self, msg, regions):
+        fds = msg.take_fds()
+        mapped = []
+        try:
+            for i, (r, fd) in enumerate(zip(regions, fds)):
+                try:
+                    st = os.fstat(fd)
+                except OSError as e:
+                    raise Refused(f"SET_MEM_TABLE: region {i}: bad fd ({e.strerror})") from None
+                end = r.mmap_offset + r.size
+                if end > st.st_size:
+                    raise Refused(f"SET_MEM_TABLE: region {i} (mmap_offset {r.mmap_offset:#x} + size {r.size:#x})"
+                                  f" ends outside its file ({st.st_size:#x} bytes)")
+                try:   # mapped from offset 0, as DPDK does: mmap_offset need not be page aligned
+                    shm = ShmRegion.from_fd(fd, end, 0)
+                except ShmError as e:
+                    raise Refused(f"SET_MEM_TABLE: region {i}: {e}") from None
+                fds[i] = -1   # the region owns it now
+                mapped.append((r, shm))
+            table = MemoryTable()
+            for r, shm in mapped:
+                table.add(r.gpa, r.size, shm.buf, r.mmap_offset)
+            cmem = CMemory(table)
+        except BaseException as e:
+            for _r, shm in mapped:
+                shm.close()
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+            if isinstance(e, VringError) and not isinstance(e, Refused):
+                raise Refused(f"SET_MEM_TABLE: {e}") from None
+            raise
+        self._stop("new memory table")
+        old = self.regions
+        self.regions, self.mem, self.cmem = mapped, table, cmem
+        for _r, shm in old:
+            shm.close()
+        for r, _shm in mapped:
+            log.info("region gpa=%#x size=%#x uaddr=%#x mmap_offset=%#x", r.gpa, r.size, r.uaddr, r.mmap_offset)
+
+    def uaddr_to_gpa(self, uaddr, length, what):
+        """Translate a ring address (frontend userspace address) into guest-physical; the whole area must lie in
+        one region."""
+        for r, _shm in self.regions:
+            if r.uaddr <= uaddr < r.uaddr + r.size:
+                if length > r.uaddr + r.size - uaddr:
+                    break
+                return r.gpa + (uaddr - r.uaddr)
+        raise Refused(f"{what} at userspace address {uaddr:#x} (+{length:#x}) is outside the memory table")
+
+    # -- vrings ----------------------------------------------------------------------------------
+
+    def _vring(self, msg, index):
+        if not 0 <= index < NUM_VRINGS:
+            raise Refused(f"{msg.name}: vring {index} does not exist (this device has {NUM_VRINGS}; no MQ)")
+        return self.vrings[index]
+
+    @property
+    def packed(self):
+        return has(self.features, VIRTIO_F_RING_PACKED)
+
+    def _set_vring_num(self, msg, st):
+        v = self._vring(msg, st.index)
+        fmt = "packed" if self.packed else "split"
+        try:
+            area_sizes(fmt, st.num)
+        except ConfigError as e:
+            raise Refused(f"SET_VRING_NUM {st.index}: {e}") from None
+        self._stop(f"vring {st.index} resized")
+        v.num = st.num
+        v.broken = None
+
+    def _set_vring_addr(self, msg, a):
+        v = self._vring(msg, a.index)
+        if a.flags & vu.VHOST_VRING_F_LOG:
+            raise Refused(f"SET_VRING_ADDR {a.index}: used-ring logging requested but LOG_ALL was not offered")
+        if self.mem is not None and v.num is not None:
+            self._layout(v, a)   # check now: refuse a ring outside the table
+        self._stop(f"vring {a.index} moved")
+        v.addr = a
+        v.broken = None
+
+    def _layout(self, v, a):
+        fmt = "packed" if self.packed else "split"
+        dsz, drv, dev = area_sizes(fmt, v.num)
+        desc = self.uaddr_to_gpa(a.desc, dsz, f"vring {v.index} descriptor area")
+        driver = self.uaddr_to_gpa(a.avail, drv, f"vring {v.index} driver area")
+        device = self.uaddr_to_gpa(a.used, dev, f"vring {v.index} device area")
+        try:
+            return QueueLayout(fmt, v.num, desc, driver, device)
+        except ConfigError as e:
+            raise Refused(f"vring {v.index}: {e}") from None
+
+    def _set_vring_base(self, msg, st):
+        v = self._vring(msg, st.index)
+        if self.packed:
+            idx = st.num & 0x7FFF
+            if v.num is not None and idx >= v.num:
+                raise Refused(f"SET_VRING_BASE {st.index}: packed index {idx} is outside the ring ({v.num})")
+        elif st.num > 0xFFFF:
+            raise Refused(f"SET_VRING_BASE {st.index}: split index {st.num:#x} does not fit 16 bits")
+        self._stop(f"vring {st.index} rebased")
+        v.base = st.num & 0xFFFF
+        v.base_set = True
+
+    def _get_vring_base(self, msg, st):
+        v = self._vring(msg, st.index)   # st.num is garbage from virtio_user: ignored
+        self._stop(f"GET_VRING_BASE {st.index}")
+        # DPDK: the ring stops, its kick/call fds are closed and its addresses forgotten (22.11.7+)
+        v.close_fds()
+        v.addr = None
+        return vu.VringState(st.index, v.base).pack()
+
+    def _take_fd(self, msg, f):
+        return NOFD if f.nofd else msg.take_fds()[0]
+
+    def _set_vring_kick(self, msg, f):
+        v = self._vring(msg, f.index)
+        fd = self._take_fd(msg, f)
+        if v.kickfd >= 0:
+            os.close(v.kickfd)
+        v.kickfd = fd
+        v.broken = None
+        if not has(self.features, VHOST_USER_F_PROTOCOL_FEATURES):
+            v.enabled = True   # without bit 30 a ring starts enabled at KICK
+
+    def _set_vring_call(self, msg, f):
+        v = self._vring(msg, f.index)
+        fd = self._take_fd(msg, f)
+        old = v.callfd
+        v.callfd = fd
+        if self.datapath is not None:   # swap the fd in the running loop
+            if f.index == 0:
+                self.datapath.n.rx_callfd = max(fd, -1)
+            else:
+                self.datapath.n.tx_callfd = max(fd, -1)
+        if old >= 0:
+            os.close(old)
+
+    def _set_vring_err(self, msg, f):
+        self._vring(msg, f.index)   # accepted; errors are logged, not signalled (the fd is closed)
+
+    def _set_vring_enable(self, msg, st):
+        v = self._vring(msg, st.index)
+        if st.num not in (0, 1):
+            raise Refused(f"SET_VRING_ENABLE {st.index}: num must be 0 or 1, not {st.num}")
+        v.enabled = bool(st.num)
+
+    # -- the data path ---------------------------------------------------------------------------
+
+    def ready(self):
+        """DPDK's readiness rule (vq_is_ready for vrings 0 and 1, then virtio_is_ready)."""
+        if self.cmem is None:
+            return False
+        if has(self.protocol_features, PF.STATUS) and not self.status & STATUS_DRIVER_OK:
+            return False
+        return all(v.num is not None and v.addr is not None and v.kickfd != UNSET and v.callfd != UNSET
+                   and v.enabled for v in self.vrings)
+
+    def update(self):
+        """Start or stop the data path to match ``ready()``."""
+        if self.ready():
+            if self.datapath is None:
+                self._start()
+        elif self.datapath is not None:
+            self._stop("not ready")
+
+    def _queue(self, v):
+        if v.broken is not None:
+            return None
+        try:
+            layout = self._layout(v, v.addr)
+            # one used entry per batch only on the Tx queue, as DPDK does (virtio PMD reads Rx per buffer)
+            q = DeviceQueue(self.cmem, layout, self.features,
+                            in_order_batch=self.options.in_order_batch and v.index == 1)
+        except (Refused, VringError) as e:
+            v.broken = e
+            log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
+            return None
+        c = q.c
+        if self.packed:
+            c.last_avail = c.used_idx = v.base & 0x7FFF
+            c.avail_wrap = c.used_wrap = (v.base >> 15) & 1
+        else:
+            base = v.base & 0xFFFF
+            used_idx = int.from_bytes(self.mem.read(layout.device + 2, 2), "little")
+            if used_idx != base:   # pitfall 25 / DPDK: resync to the used ring in memory
+                log.warning("vring %d: base %d but used->idx is %d; resuming at %d", v.index, base,
+                            used_idx, used_idx)
+                base = used_idx
+            c.last_avail = c.used_idx = base
+        q.enable_kicks(False)   # we poll (as net_vhost does): the driver need not kick
+        return q
+
+    def _start(self):
+        rx, tx = (self._queue(v) for v in self.vrings)
+        if rx is None and tx is None:
+            return
+        fds = [max(v.callfd, -1) for v in self.vrings]
+        self.datapath = Datapath(rx, tx, self.features, self.options, fds[0], fds[1])
+        log.info("data path started: %s rings, %s, hdr %d bytes, features %s",
+                 "packed" if self.packed else "split",
+                 "in-order" if has(self.features, VIRTIO_F_IN_ORDER) else "normal",
+                 self.datapath.n.hdr_len, " ".join(feature_names(self.features)))
+
+    def _stop(self, why):
+        """Stop the data path (if running): drop what waits in the intermediate queue, keep the ring
+        positions as the vring bases, fold the counters into ``totals``."""
+        dp = self.datapath
+        if dp is None:
+            return
+        self.datapath = None
+        dropped = dp.discard()
+        for v, q in zip(self.vrings, (dp.rxq, dp.txq)):
+            if q is None:
+                continue
+            c = q.c
+            if q.broken is None:
+                v.base = (c.used_idx | (c.used_wrap << 15)) if self.packed else c.used_idx
+        add_stats(self.totals, dp.stats())
+        log.info("data path stopped (%s)%s", why, f"; {dropped} queued packets dropped" if dropped else "")
+
+    def run(self, budget_us):
+        """One time slice of the data path; logs and records any queue that broke."""
+        dp = self.datapath
+        errors = dp.run(budget_us)
+        for idx, e in errors.items():
+            self.vrings[idx].broken = e
+            self.ring_errors.append(e)
+            log.error("vring %d broken: %s [%s]: %s (the other queue keeps running)", idx,
+                      type(e).__name__, e.spec, e)
+        return errors
+
+    def stats(self):
+        """Counters of this connection so far (stopped data paths plus the running one)."""
+        total = dict(self.totals)
+        if self.datapath is not None:
+            add_stats(total, self.datapath.stats())
+        return total
+
+    def close(self):
+        """The connection ended: stop, close every fd, unmap every region."""
+        self._stop("connection closed")
+        for v in self.vrings:
+            v.close_fds()
+        regions, self.regions, self.mem, self.cmem = self.regions, [], None, None
+        for _r, shm in regions:
+            shm.close()

@@ -1,0 +1,245 @@
+"""The vhost-user server: one frontend at a time on a Unix socket, a NetDevice per connection.
+
+Single-threaded: the loop alternates a time slice of the C data path (when the device runs) with a
+non-blocking look at the socket, so control messages and forwarding never race. Every message is decoded and
+validated (``rings.vhost_user.decode``) before the device sees it. A message that is malformed or cannot be
+honoured is logged and refused: NACK (u64 1) if it asked for a reply, else the connection is closed, as DPDK
+does. A frontend that leaves (or is dropped) leaves the server ready for the next one; in ``client`` mode the
+server connects out and reconnects every ``reconnect_s``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import socket  # noqa: F401 (type hints)
+import stat
+import sys
+import time
+
+from rings import vhost_user as vu
+from rings.errors import PeerGone, ProtocolError, ProtocolTimeout, VringError
+
+from .datapath import Options, add_stats, split_stats
+from .device import NetDevice, Refused
+
+log = logging.getLogger("vhost")
+
+MSG_TIMEOUT = 5.0   # a message that starts must complete within this (a stalled frontend is dropped)
+
+
+class Server:
+    def __init__(self, path, options: Options | None = None, client=False, reconnect_s=1.0, budget_us=500,
+                 stats_interval=0.0, json_stats=False, out=None, device_kw=None):
+        self.path = os.fspath(path)
+        self.options = options or Options()
+        self.client = client
+        self.reconnect_s = reconnect_s
+        self.budget_us = budget_us
+        self.stats_interval = stats_interval
+        self.json_stats = json_stats
+        self.out = out or sys.stdout
+        self.device_kw = device_kw or {}
+        self.listener: socket.socket | None = None
+        self._sock_ino = None
+        self.conn: vu.Connection | None = None
+        self.device: NetDevice | None = None
+        self.connections = 0
+        self.refused = 0
+        self.ring_errors = 0
+        self.totals: dict = {}
+        self.stopping = False
+        self._next_connect = 0.0
+        self.t0 = time.monotonic()
+        self._next_stats = self.t0 + stats_interval if stats_interval > 0 else None
+
+    # -- sockets ---------------------------------------------------------------------------------
+
+    def open(self):
+        """Server mode: create the listening socket (mode 0600) now, so a frontend can connect."""
+        if not self.client and self.listener is None:
+            self.listener = vu.listen_unix(self.path, backlog=4)
+            self._sock_ino = os.lstat(self.path).st_ino
+            log.info("listening on %s", self.path)
+        return self
+
+    def close(self):
+        self._drop("server stopping")
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+            try:   # remove our socket file, not one somebody else created since
+                st = os.lstat(self.path)
+                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._sock_ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass
+
+    def __enter__(self):
+        return self.open()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _connect(self, timeout):
+        if self.client:
+            wait = self._next_connect - time.monotonic()
+            if wait > 0:
+                time.sleep(min(wait, timeout))
+                return
+            self._next_connect = time.monotonic() + self.reconnect_s
+            try:
+                conn = vu.connect_unix(self.path, timeout=1.0)
+            except (PeerGone, ProtocolTimeout, ProtocolError) as e:
+                log.debug("connect to %s: %s", self.path, e)
+                return
+        else:
+            r, _, _ = select.select([self.listener], [], [], timeout)
+            if not r:
+                return
+            try:
+                sock, _ = self.listener.accept()
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                return
+            conn = vu.Connection(sock)
+        self.conn = conn
+        self.device = NetDevice(self.options, **self.device_kw)
+        self.connections += 1
+        log.info("frontend connected (connection %d)", self.connections)
+
+    def _drop(self, why):
+        if self.conn is None:
+            return
+        dev, conn = self.device, self.conn
+        self.conn = self.device = None
+        try:
+            dev.close()
+            add_stats(self.totals, dev.stats())
+        except Exception:
+            log.exception("while closing the device")
+        conn.close()
+        log.info("frontend gone (%s); ready for the next one", why)
+
+    # -- messages --------------------------------------------------------------------------------
+
+    def _refuse(self, msg, why):
+        self.refused += 1
+        if msg.need_reply:
+            log.error("refused %s: %s (NACK)", msg.name, why)
+            try:
+                self.conn.send(vu.ack(msg, ok=False), timeout=MSG_TIMEOUT)
+            except (ProtocolError, VringError) as e:
+                self._drop(f"cannot send the NACK: {e}")
+        else:
+            log.error("refused %s: %s (no NEED_REPLY: closing the connection)", msg.name, why)
+            self._drop(f"refused {msg.name}")
+
+    def _serve_one(self):
+        conn = self.conn
+        try:
+            msg = conn.recv(timeout=MSG_TIMEOUT)
+        except PeerGone as e:
+            self._drop(str(e))
+            return
+        except ProtocolError as e:   # framing broken, or a message that stalled half-way
+            self.refused += 1
+            log.error("bad message: %s; closing the connection", e)
+            self._drop("protocol error")
+            return
+        log.debug("<- %r", msg)
+        try:
+            value = vu.decode(msg)
+        except ProtocolError as e:
+            self._refuse(msg, str(e))
+            return
+        try:
+            payload = self.device.handle(msg, value)
+        except Refused as e:
+            self._refuse(msg, str(e))
+            return
+        except Exception as e:   # a bug of ours must not take the server down
+            log.exception("%s failed", msg.name)
+            self._refuse(msg, f"internal error: {type(e).__name__}: {e}")
+            return
+        try:
+            if vu.has_reply(msg.request):
+                conn.send(vu.reply(msg, payload or b""), timeout=MSG_TIMEOUT)
+            elif vu.wants_ack(msg):
+                conn.send(vu.ack(msg, True), timeout=MSG_TIMEOUT)
+        except (ProtocolError, VringError) as e:
+            self._drop(f"cannot reply: {e}")
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def poll_once(self, idle_timeout=0.2):
+        """One round: a data-path slice (if running) and at most one control message."""
+        if self.conn is None:
+            self._connect(idle_timeout)
+            return
+        dev = self.device
+        timeout = idle_timeout
+        if dev.datapath is not None and not dev.datapath.idle:
+            errors = dev.run(self.budget_us)
+            self.ring_errors += len(errors)
+            timeout = 0
+        try:
+            r, _, _ = select.select([self.conn.sock], [], [], timeout)
+        except (OSError, ValueError):
+            r = [True]
+        if r:
+            self._serve_one()
+
+    def serve(self, max_connections=None, until=None):
+        """Serve until ``stop()`` (or a signal handler sets ``stopping``), ``max_connections`` frontends have
+        come and gone, or ``until()`` returns True."""
+        self.open()
+        try:
+            while not self.stopping:
+                try:
+                    self.poll_once()
+                except Exception as e:   # a bug of ours costs the connection, never the process
+                    log.exception("internal error; dropping the connection")
+                    self._drop(f"internal error: {type(e).__name__}: {e}")
+                self._maybe_stats()
+                if max_connections is not None and self.connections >= max_connections and self.conn is None:
+                    break
+                if until is not None and until():
+                    break
+        finally:
+            self.close()
+        self.print_stats(final=True)
+        return self.stats()
+
+    def stop(self, *_):
+        self.stopping = True
+
+    # -- counters --------------------------------------------------------------------------------
+
+    def stats(self):
+        total = dict(self.totals)
+        if self.device is not None:
+            add_stats(total, self.device.stats())
+        out = split_stats(total)
+        out.update(connections=self.connections, refused=self.refused, ring_errors=self.ring_errors,
+                   running=bool(self.device and self.device.datapath))
+        return out
+
+    def _maybe_stats(self):
+        if self._next_stats is not None and time.monotonic() >= self._next_stats:
+            self._next_stats += self.stats_interval
+            self.print_stats()
+
+    def print_stats(self, final=False):
+        st = self.stats()
+        t = round(time.monotonic() - self.t0, 3)
+        if self.json_stats:
+            print(json.dumps({"time": t, "final": final, **st}), file=self.out, flush=True)
+            return
+        head = "final" if final else f"t={t}s"
+        print(f"[vhost {head}] connections={st['connections']} refused={st['refused']} "
+              f"ring_errors={st['ring_errors']}", file=self.out)
+        for q in ("rxq0", "txq1", "intermediate"):
+            print(f"  {q:12s} " + " ".join(f"{k}={v}" for k, v in st[q].items()), file=self.out)
+        self.out.flush()

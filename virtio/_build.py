@@ -1,0 +1,59 @@
+"""cffi builder for virtio._net: the virtio-net driver's burst loops (csrc/vnet.h) over the ring primitives of
+rings/csrc/virtq.h (included, not linked: every primitive is static inline)."""
+import os
+import re
+import sys
+
+from cffi import FFI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join(HERE, "csrc")
+sys.path.insert(0, os.path.dirname(HERE))
+from rings._build import CSRC as RINGS_CSRC, ring_cdef  # noqa: E402
+
+
+def net_cdef():
+    with open(os.path.join(CSRC, "vnet_types.h")) as f:
+        return re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+
+
+CDEF = ring_cdef() + net_cdef() + """
+uint32_t vn_pool_alloc(struct vn_pool *p, uint32_t *out, uint32_t n);
+void vn_pool_free(struct vn_pool *p, const uint32_t *idx, uint32_t n);
+int vn_tx_cleanup(struct vn_txq *t, uint32_t need);
+uint32_t vn_tx_burst(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n, int more);
+uint32_t vn_rx_refill(struct vn_rxq *r, uint32_t thresh);
+int vn_rx_burst(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_len, uint32_t max);
+int vn_rx_pending(const struct vn_rxq *r);
+void vn_macswap(struct vn_pool *p, const uint32_t *idx, uint32_t n);
+uint32_t vn_gen(struct vn_pool *p, uint32_t *out, uint32_t n, const uint8_t *tmpl, uint32_t len,
+                uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off);
+uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, const uint32_t *len, uint32_t n,
+                  const uint8_t *tmpl, uint32_t tlen, int swapped, uint32_t seq_off, uint32_t ts_off,
+                  uint64_t *seqs);
+int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
+int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
+                    uint32_t spin, uint32_t bursts);
+int vn_tx_flush(struct vn_txq *t);
+uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, const uint8_t *tmpl, uint32_t len,
+                   uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off, uint32_t *lens);
+int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
+uint64_t vn_now_ns(void);
+void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n);
+int vq_drv_kick_prepare(struct vq_driver *q);
+void vq_drv_publish(struct vq_driver *q);
+"""
+
+ffibuilder = FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "virtio._net",
+    '#include "vnet.h"',
+    include_dirs=[CSRC, RINGS_CSRC],
+    extra_compile_args=["-O2", "-std=gnu11"],
+    depends=[os.path.join(CSRC, n) for n in ("vnet.h", "vnet_types.h")]
+    + [os.path.join(RINGS_CSRC, n) for n in ("virtq.h", "virtq_types.h")],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

@@ -1,0 +1,593 @@
+/* virtio-net driver hot paths: buffer pool, Tx burst (header prepend / chain / indirect), Tx cleanup,
+ * Rx burst (header strip, mergeable reassembly), Rx refill, MAC swap, packet generation and checks.
+ * Built on the ring primitives of rings/csrc/virtq.h; one C call per burst, C once per packet/descriptor.
+ * Spec IDs: shared/spec/virtio-checklist.md (NET-xx). */
+#ifndef VNET_H
+#define VNET_H
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "virtq.h"
+#include "vnet_types.h"
+
+#define VN_NONE 0xffffffffu
+#define VN_HDR_SLOT 16
+
+/* ----------------------------------------------------------------------------------- pool */
+
+static inline uint8_t *vn_buf(const struct vn_pool *p, uint32_t b) { return p->host + (uint64_t)b * p->buf_size; }
+static inline uint64_t vn_gpa(const struct vn_pool *p, uint32_t b) { return p->gpa + (uint64_t)b * p->buf_size; }
+
+/* Take up to n buffers off the free stack (data_off = headroom, one segment). */
+static inline uint32_t vn_pool_alloc(struct vn_pool *p, uint32_t *out, uint32_t n)
+{
+    if (n > p->top)
+        n = p->top;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b = p->stack[--p->top];
+        p->owned[b] = 1;
+        p->data_off[b] = (uint16_t)p->headroom;
+        p->data_len[b] = 0;
+        p->next[b] = VN_NONE;
+        out[i] = b;
+    }
+    return n;
+}
+
+/* Give one packet (its whole segment chain) back. Bad or double frees are counted, not followed. */
+static inline void vn_pool_free1(struct vn_pool *p, uint32_t b)
+{
+    uint32_t hops = 0;
+    while (b != VN_NONE) {
+        if (b >= p->nbufs || !p->owned[b] || ++hops > p->nbufs) {
+            p->bad_frees++;
+            return;
+        }
+        uint32_t nx = p->next[b];
+        p->owned[b] = 0;
+        p->next[b] = VN_NONE;
+        p->stack[p->top++] = b;
+        b = nx;
+    }
+}
+
+static inline void vn_pool_free(struct vn_pool *p, const uint32_t *idx, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        vn_pool_free1(p, idx[i]);
+}
+
+/* ----------------------------------------------------------------------------------- notifications */
+
+/* Polling with EVENT_IDX (split): keep used_event half a lap ahead so the device never finds a reason to call.
+ * A plain store, no fence: a late view of it costs at most one spurious call. (Without EVENT_IDX the
+ * NO_INTERRUPT flag / packed DISABLE set at start stays.) */
+static inline void vn_quiet(struct vq_driver *q)
+{
+    if (!q->packed && q->event_idx)
+        VQ_SET(*vq_used_event(q->avail, q->size), (uint16_t)(q->last_used + 0x7fff));
+}
+
+/* ----------------------------------------------------------------------------------- Tx */
+
+/* Notify the device (write the kick eventfd); counted. */
+static inline void vn_notify(int32_t fd, uint64_t *kicks)
+{
+    uint64_t one = 1;
+    (*kicks)++;
+    if (fd >= 0 && write(fd, &one, sizeof(one)) < 0) {
+        /* EAGAIN: the counter is saturated, the device has a wakeup pending anyway */
+    }
+}
+
+/* The buffer id the next add will take (so the slow path can pick its header slot). */
+static inline uint16_t vn_next_id(const struct vq_driver *q)
+{
+    if (q->packed)
+        return q->in_order ? q->next_avail : q->free_head;
+    return q->in_order ? q->next_desc : q->free_head;
+}
+
+/* Reclaim what the device completed until at least `need` descriptors are free (or nothing more is used).
+ * Not capped at a burst size: one call may free the whole ring. Buffers go back to the pool. */
+static inline int vn_tx_cleanup(struct vn_txq *t, uint32_t need)
+{
+    struct vq_driver *q = t->q;
+    int total = 0;
+    t->cleanups++;
+    do {
+        uint16_t before = q->num_free;
+        int r = vq_drv_reclaim(q, t->tok, t->lens, q->size);
+        if (r < 0) {
+            t->errors++;
+            return -1;
+        }
+        if (r == 0)
+            break;
+        for (int i = 0; i < r; i++)
+            vn_pool_free1(t->pool, (uint32_t)t->tok[i]);
+        vn_quiet(q);
+        t->reclaimed_bufs += (uint32_t)r;
+        t->reclaimed_descs += (uint16_t)(q->num_free - before);
+        total += r;
+    } while (q->num_free < need);
+    return total;
+}
+
+/* Segments of a chained / headroom-less packet: header slot, then each pool segment. */
+static inline uint32_t vn_tx_segs(struct vn_txq *t, uint32_t b, uint32_t len)
+{
+    struct vn_pool *p = t->pool;
+    uint16_t id = vn_next_id(t->q);
+    uint8_t *h = t->hdr_host + (uint32_t)id * VN_HDR_SLOT;
+    memcpy(h, t->hdr_tmpl, t->hdr_size);   /* NET-06/07/08: the burst's template */
+    t->seg_addr[0] = t->hdr_gpa + (uint64_t)id * VN_HDR_SLOT;
+    t->seg_len[0] = t->hdr_size;
+    uint32_t n = 1, left = len;
+    while (b != VN_NONE && n < t->max_segs) {
+        if (b >= p->nbufs || !p->owned[b])
+            return 0;
+        uint32_t l = p->next[b] == VN_NONE ? left : p->data_len[b];
+        if (l > left)
+            l = left;
+        t->seg_addr[n] = vn_gpa(p, b) + p->data_off[b];
+        t->seg_len[n] = l;
+        left -= l;
+        n++;
+        b = p->next[b];
+    }
+    return b == VN_NONE ? n : 0;
+}
+
+/* Queue up to n packets. Fast path: one segment with headroom -> header written into the headroom, ONE
+ * descriptor. Slow path: header from the header area + segments, as a chain or one indirect descriptor.
+ * more != 0 defers the kick (xmit_more). Sets t->kick when the device asked to be notified. */
+static inline uint32_t vn_tx_burst(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n,
+                                   int more)
+{
+    struct vq_driver *q = t->q;
+    struct vn_pool *p = t->pool;
+    uint32_t hs = t->hdr_size, need = 0, i;
+    int full = 0;
+    memset(t->hdr_tmpl, 0, sizeof(t->hdr_tmpl));   /* once per burst: flags 0, GSO_NONE, num_buffers 0 */
+    for (i = 0; i < n; i++) {
+        uint32_t b = idx[i];
+        if (b >= p->nbufs)
+            need += 1;
+        else if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= hs)
+            need += 1;
+        else {
+            uint32_t k = 1, c = b;
+            while (c < p->nbufs && k <= t->max_segs) { k++; c = p->next[c]; }
+            need += vq_drv_needed(q, k);
+        }
+    }
+    if (need > q->num_free && vn_tx_cleanup(t, need) < 0)
+        return 0;
+    for (i = 0; i < n; i++) {
+        uint32_t b = idx[i], l = len[i];
+        if (b >= p->nbufs || !p->owned[b]) {   /* not ours: refuse (counted), stop here */
+            t->errors++;
+            break;
+        }
+        if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= hs) {
+            uint8_t *d = vn_buf(p, b) + p->data_off[b] - hs;
+            uint64_t a = vn_gpa(p, b) + p->data_off[b] - hs;
+            uint32_t dl = l + hs;
+            memcpy(d, t->hdr_tmpl, hs);
+            full = q->packed ? vq_drv_add1_packed(q, &a, &dl, 1, 1, b) : vq_drv_add1_split(q, &a, &dl, 1, 1, b);
+            if (full)
+                break;
+            t->fast++;
+        } else {
+            uint32_t k = vn_tx_segs(t, b, l);
+            if (k == 0 || k > q->size) {
+                t->errors++;
+                break;
+            }
+            full = q->packed ? vq_drv_add1_packed(q, t->seg_addr, t->seg_len, k, k, b)
+                             : vq_drv_add1_split(q, t->seg_addr, t->seg_len, k, k, b);
+            if (full)
+                break;
+            t->slow++;
+        }
+        t->bytes += l;
+    }
+    t->packets += i;
+    if (full)
+        t->full += n - i;
+    if (i)
+        vq_drv_publish(q);
+    t->pending_kick |= i != 0;
+    t->kick = 0;
+    if (!more && t->pending_kick) {   /* one kick per burst at most, only when the device asks */
+        t->pending_kick = 0;
+        if (vq_drv_kick_prepare(q)) {
+            t->kick = 1;
+            vn_notify(t->kickfd, &t->kicks);
+        }
+    }
+    return i;
+}
+
+/* Kick now for what `more` bursts left pending (if the device wants it). */
+static inline int vn_tx_flush(struct vn_txq *t)
+{
+    t->kick = 0;
+    if (t->pending_kick) {
+        t->pending_kick = 0;
+        if (vq_drv_kick_prepare(t->q)) {
+            t->kick = 1;
+            vn_notify(t->kickfd, &t->kicks);
+        }
+    }
+    return t->kick;
+}
+
+/* ----------------------------------------------------------------------------------- Rx */
+
+/* Post writable buffers until the ring is full or the pool is empty; only when at least `thresh` fit. */
+static inline uint32_t vn_rx_refill(struct vn_rxq *r, uint32_t thresh)
+{
+    struct vq_driver *q = r->q;
+    struct vn_pool *p = r->pool;
+    uint32_t room = q->num_free;
+    if (room == 0 || room < thresh)
+        return 0;
+    uint32_t k = vn_pool_alloc(p, r->ref_idx, room);
+    for (uint32_t i = 0; i < k; i++) {
+        uint32_t b = r->ref_idx[i];
+        r->ref_addr[i] = vn_gpa(p, b) + p->headroom - r->hdr_size;   /* header lands in the headroom */
+        r->ref_len[i] = r->post_len;
+        r->ref_tok[i] = b;
+    }
+    uint32_t added = vq_drv_add_simple(q, r->ref_addr, r->ref_len, 1, r->ref_tok, k);
+    if (added < k)
+        vn_pool_free(p, r->ref_idx + added, k - added);
+    if (added) {
+        if (!r->calls_on)
+            vn_quiet(q);
+        vq_drv_publish(q);
+        r->refills++;
+        r->posted += added;
+        if (vq_drv_kick_prepare(q)) {
+            r->kick = 1;
+            vn_notify(r->kickfd, &r->kicks);
+        }
+    }
+    if (k < room)
+        r->nombuf++;
+    return added;
+}
+
+/* Attach one used buffer to the packet being assembled; emits it when complete. Returns 1 if emitted. */
+static inline int vn_rx_take(struct vn_rxq *r, uint32_t b, uint32_t len, uint32_t *out_idx, uint32_t *out_len,
+                             uint32_t *nout)
+{
+    struct vn_pool *p = r->pool;
+    uint32_t hs = r->hdr_size;
+    if ((uint64_t)b >= p->nbufs || !p->owned[b]) {   /* a token we never posted: the ring engine checks ids */
+        r->errors++;
+        return 0;
+    }
+    r->bufs++;
+    if (r->part_left == 0) {   /* first buffer of a packet: starts with the header (NET-32) */
+        uint8_t *h = vn_buf(p, b) + p->headroom - hs;
+        uint32_t nb = 1;
+        if (len < hs) {
+            r->errors++;
+            vn_pool_free1(p, b);
+            return 0;
+        }
+        if (r->mrg) {
+            nb = (uint32_t)h[10] | ((uint32_t)h[11] << 8);   /* NET-29 */
+            if (nb == 0 || nb > r->q->size) {
+                r->errors++;
+                vn_pool_free1(p, b);
+                return 0;
+            }
+        }
+        p->data_off[b] = (uint16_t)p->headroom;
+        p->data_len[b] = len - hs;
+        p->next[b] = VN_NONE;
+        r->part_head = r->part_tail = b;
+        r->part_len = len - hs;
+        r->part_left = nb - 1;
+        r->part_nseg = 1;
+    } else {                   /* continuation: no header, data from the buffer's start */
+        p->data_off[b] = (uint16_t)(p->headroom - hs);
+        p->data_len[b] = len;
+        p->next[b] = VN_NONE;
+        p->next[r->part_tail] = b;
+        r->part_tail = b;
+        r->part_len += len;
+        r->part_left--;
+        r->part_nseg++;
+    }
+    if (r->part_left)
+        return 0;
+    out_idx[*nout] = r->part_head;
+    out_len[*nout] = r->part_len;
+    (*nout)++;
+    r->packets++;
+    r->bytes += r->part_len;
+    if (r->part_nseg > 1)
+        r->merged++;
+    return 1;
+}
+
+/* Receive up to max packets (indices of first buffers, lengths with the header stripped); no refill. */
+static inline int vn_rx_recv(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_len, uint32_t max)
+{
+    struct vq_driver *q = r->q;
+    uint32_t nout = 0;
+    while (nout < max) {
+        /* never take more buffers than packets still wanted, unless a packet is half assembled */
+        uint32_t want = r->part_left ? r->part_left : max - nout;
+        int got = vq_drv_reclaim(q, r->tok, r->lens, want);
+        if (got < 0) {
+            r->errors++;
+            return -1;
+        }
+        if (got == 0)
+            break;
+        for (int i = 0; i < got; i++)
+            vn_rx_take(r, (uint32_t)r->tok[i], r->lens[i], out_idx, out_len, &nout);
+    }
+    return (int)nout;
+}
+
+/* Receive, then refill the ring in one go when at least refill_thresh slots are free. */
+static inline int vn_rx_burst(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_len, uint32_t max)
+{
+    r->kick = 0;
+    int n = vn_rx_recv(r, out_idx, out_len, max);
+    if (n >= 0)
+        vn_rx_refill(r, r->refill_thresh);
+    return n;
+}
+
+/* Is there a used Rx buffer waiting? (for eventfd waiting: check after enabling calls) */
+static inline int vn_rx_pending(const struct vn_rxq *r)
+{
+    const struct vq_driver *q = r->q;
+    if (q->packed) {
+        uint16_t f = VQ_ACQUIRE(q->pdesc[q->last_used].flags);
+        return q->inflight && !!(f & VIRTQ_DESC_F_AVAIL) == q->used_wrap && !!(f & VIRTQ_DESC_F_USED) == q->used_wrap;
+    }
+    return VQ_ACQUIRE(q->used->idx) != q->last_used;
+}
+
+/* ----------------------------------------------------------------------------------- packets */
+
+static inline void vn_macswap(struct vn_pool *p, const uint32_t *idx, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *e = vn_buf(p, idx[i]) + p->data_off[idx[i]], tmp[6];
+        memcpy(tmp, e, 6);
+        memcpy(e, e + 6, 6);
+        memcpy(e + 6, tmp, 6);
+    }
+}
+
+static inline uint64_t vn_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint32_t vn_lat_bucket(uint64_t ns)
+{
+    if (ns < 2)
+        return 0;
+    uint32_t lg = 63 - (uint32_t)__builtin_clzll(ns);                       /* floor(log2) */
+    uint32_t frac = lg >= 2 ? (uint32_t)((ns >> (lg - 2)) & 3) : (uint32_t)((ns << (2 - lg)) & 3);
+    uint32_t b = 4 * lg + frac;
+    return b > 255 ? 255 : b;
+}
+
+/* For each received frame: latency = now - the timestamp it carries; then stamp it with now (it goes back
+ * out right away). One clock read per burst. */
+static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
+{
+    uint64_t now = vn_now_ns();
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b = idx[i];
+        if (p->data_len[b] < l->ts_off + 8) {
+            l->bad++;
+            continue;
+        }
+        uint8_t *d = vn_buf(p, b) + p->data_off[b] + l->ts_off;
+        uint64_t ts;
+        memcpy(&ts, d, 8);
+        memcpy(d, &now, 8);
+        if (ts == 0 || ts > now) {
+            l->bad++;
+            continue;
+        }
+        uint64_t ns = now - ts;
+        l->count++;
+        l->sum += ns;
+        if (ns < l->min || l->count == 1)
+            l->min = ns;
+        if (ns > l->max)
+            l->max = ns;
+        l->hist[vn_lat_bucket(ns)]++;
+    }
+}
+
+/* Allocate and build n packets of len bytes from the template into out[]: one buffer when the frame fits
+ * the data room, else a chain of buffers (each filled to its end). Returns how many were built. */
+static inline uint32_t vn_gen(struct vn_pool *p, uint32_t *out, uint32_t n, const uint8_t *tmpl, uint32_t len,
+                              uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off)
+{
+    uint32_t room = p->buf_size - p->headroom, nseg = (len + room - 1) / room, i;
+    uint64_t now = stamp ? vn_now_ns() : 0;
+    uint8_t fields[16];
+    if (nseg == 0)
+        nseg = 1;
+    for (i = 0; i < n; i++) {
+        uint64_t s = seq + i;
+        uint32_t first = VN_NONE, prev = VN_NONE, pos = 0;
+        if (p->top < nseg)
+            break;
+        memcpy(fields, &s, 8);
+        memcpy(fields + 8, &now, 8);
+        for (uint32_t k = 0; k < nseg; k++) {
+            uint32_t b = 0;
+            if (!vn_pool_alloc(p, &b, 1))   /* cannot happen: top >= nseg was checked */
+                return i;
+            uint32_t l = len - pos < room ? len - pos : room;
+            uint8_t *d = vn_buf(p, b) + p->data_off[b];
+            memcpy(d, tmpl + pos, l);
+            for (uint32_t j = 0; j < l; j++) {   /* seq / timestamp bytes that fall in this segment */
+                uint32_t at = pos + j;
+                if (at >= seq_off && at < seq_off + 8)
+                    d[j] = fields[at - seq_off];
+                else if (stamp && at >= ts_off && at < ts_off + 8)
+                    d[j] = fields[8 + at - ts_off];
+                else if (at >= seq_off + 8 && (!stamp || at >= ts_off + 8))
+                    break;
+            }
+            p->data_len[b] = l;
+            if (prev == VN_NONE)
+                first = b;
+            else
+                p->next[prev] = b;
+            prev = b;
+            pos += l;
+        }
+        out[i] = first;
+    }
+    return i;
+}
+
+/* Check received packets against the template: length, MACs (swapped when `swapped`), every payload byte
+ * after the Ethernet header except the sequence and timestamp fields. Returns the number of bad packets;
+ * the sequence numbers go to seqs. Follows segment chains (mergeable packets). */
+static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, const uint32_t *len, uint32_t n,
+                                const uint8_t *tmpl, uint32_t tlen, int swapped, uint32_t seq_off, uint32_t ts_off,
+                                uint64_t *seqs)
+{
+    uint32_t bad = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t b = idx[i], pos = 0, ok = len[i] == tlen;
+        uint64_t s = 0;
+        uint8_t *sb = (uint8_t *)&s;
+        while (ok && b != VN_NONE && pos < tlen) {
+            const uint8_t *d = vn_buf(p, b) + p->data_off[b];
+            uint32_t l = p->data_len[b];
+            for (uint32_t j = 0; j < l && pos < tlen; j++, pos++) {
+                uint8_t want;
+                if (pos < 6)
+                    want = tmpl[swapped ? pos + 6 : pos];
+                else if (pos < 12)
+                    want = tmpl[swapped ? pos - 6 : pos];
+                else
+                    want = tmpl[pos];
+                if (pos >= seq_off && pos < seq_off + 8) {
+                    sb[pos - seq_off] = d[j];
+                    continue;
+                }
+                if (pos >= ts_off && pos < ts_off + 8)
+                    continue;
+                if (d[j] != want) {
+                    ok = 0;
+                    break;
+                }
+            }
+            b = p->next[b];
+        }
+        if (pos != tlen)
+            ok = 0;
+        seqs[i] = s;
+        bad += !ok;
+    }
+    return bad;
+}
+
+/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, send
+ * back; what does not fit in Tx is dropped (freed, counted). Refill and Tx cleanup come after the send, off the
+ * round trip. Returns the packet count, or -1 when a ring broke. */
+static inline int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
+                               uint32_t spin)
+{
+    int n;
+    r->kick = 0;
+    for (;;) {
+        n = vn_rx_recv(r, idx, len, max);
+        if (n != 0 || spin-- == 0)
+            break;
+        __builtin_ia32_pause();
+    }
+    if (n < 0)
+        return n;
+    if (n > 0) {
+        if (r->lat)
+            vn_lat_update(r->lat, r->pool, idx, (uint32_t)n);
+        vn_macswap(r->pool, idx, (uint32_t)n);
+        uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
+        if (t->q->error)
+            return -1;
+        if (sent < (uint32_t)n) {
+            vn_pool_free(t->pool, idx + sent, (uint32_t)n - sent);
+            t->dropped += (uint32_t)n - sent;
+        }
+        if (t->q->num_free < t->cleanup_thresh && vn_tx_cleanup(t, t->cleanup_thresh) < 0)
+            return -1;
+    }
+    vn_rx_refill(r, r->refill_thresh);
+    return n;
+}
+
+/* Up to `bursts` macfwd steps in one call (Python then looks at the clock and its stop flag). Returns the
+ * packets forwarded, or -1 when a ring broke. */
+static inline int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
+                                  uint32_t spin, uint32_t bursts)
+{
+    int64_t total = 0;
+    for (uint32_t k = 0; k < bursts; k++) {
+        int n = vn_fwd_burst(r, t, idx, len, max, spin);
+        if (n < 0)
+            return -1;
+        total += n;
+    }
+    return total;
+}
+
+/* txonly: build n frames from the template and send them (what does not fit is freed and counted as dropped).
+ * Returns the number sent. */
+static inline uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, const uint8_t *tmpl, uint32_t len,
+                                 uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off, uint32_t *lens)
+{
+    uint32_t k = vn_gen(t->pool, idx, n, tmpl, len, seq, seq_off, stamp, ts_off);
+    for (uint32_t i = 0; i < k; i++)
+        lens[i] = len;
+    uint32_t sent = vn_tx_burst(t, idx, lens, k, 0);
+    if (sent < k) {
+        vn_pool_free(t->pool, idx + sent, k - sent);
+        t->dropped += k - sent;
+    }
+    return sent;
+}
+
+/* rxonly: receive (spinning up to `spin` empty polls) and free. Returns packets received, or -1. */
+static inline int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin)
+{
+    int n;
+    for (;;) {
+        n = vn_rx_burst(r, idx, len, max);
+        if (n != 0 || spin-- == 0)
+            break;
+        __builtin_ia32_pause();
+    }
+    if (n > 0)
+        vn_pool_free(r->pool, idx, (uint32_t)n);
+    return n;
+}
+
+#endif

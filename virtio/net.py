@@ -1,0 +1,303 @@
+"""The virtio-net data path: guest memory, buffer pool, one Rx and one Tx queue, bursts.
+
+Python runs once per burst; the C of ``csrc/vnet.h`` runs once per packet/descriptor. The ring variant
+(split/packed x normal/in-order) is fixed in the ring engine's C state when the queues are built, and the
+negotiated header size and mergeable mode in the queue structs, so no per-packet choice is made in Python.
+
+Layout of the one shared-memory region (guest address = ``GPA_BASE`` + offset; gpa == uaddr as virtio_user):
+Rx ring, Tx ring, Tx header area (one 16-byte slot per buffer id), Tx indirect tables, then the buffer pool.
+"""
+import os
+import select
+import time
+
+import numpy as np
+
+from rings import virtq as _virtq
+from rings._virtq import ffi as rings_ffi
+from rings.errors import ConfigError
+from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
+                          VIRTIO_NET_F_MRG_RXBUF, QueueLayout, align_up, has)
+from rings.shm import MemoryTable, ShmRegion
+
+from ._net import ffi, lib
+from .pool import BufferPool
+
+GPA_BASE = 0x100000000     # like virtio_user's --no-huge memory: gpa == uaddr, a fixed base
+PAGE = 4096
+HDR_SLOT = 16              # VN_HDR_SLOT in csrc/vnet.h
+RXQ, TXQ = 0, 1            # NET-04: receiveq1 = 0, transmitq1 = 1
+
+
+def net_hdr_size(features):
+    """NET-02/NET-03: 12 bytes with VERSION_1 or MRG_RXBUF (or packed, which implies VERSION_1), else 10."""
+    if has(features, VIRTIO_F_VERSION_1) or has(features, VIRTIO_NET_F_MRG_RXBUF) \
+            or has(features, VIRTIO_F_RING_PACKED):
+        return 12
+    return 10
+
+
+def _p(ctype, arr):
+    return ffi.cast(ctype, ffi.from_buffer(arr))
+
+
+def _recast(cptr, ctype):
+    """A rings._virtq pointer as a pointer of this module's ffi (same struct declarations)."""
+    return ffi.cast(ctype, int(rings_ffi.cast("uintptr_t", cptr)))
+
+
+class GuestMemory:
+    """One POSIX shared-memory region holding both rings, the Tx header area, indirect tables and the pool."""
+
+    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=128, indirect_max=8, gpa_base=GPA_BASE,
+                 keep_name=False):
+        ring = align_up(QueueLayout.bytes_needed(fmt, size), PAGE)
+        off = 0
+        self.rx_off, off = off, off + ring
+        self.tx_off, off = off, off + ring
+        self.hdr_off, off = off, align_up(off + size * HDR_SLOT, PAGE)
+        self.ind_off, off = off, align_up(off + size * indirect_max * 16, PAGE)
+        self.pool_off, off = off, off + nbufs * buf_size
+        self.size = align_up(off, PAGE)
+        self.gpa = gpa_base
+        self.indirect_max = indirect_max
+        self.region = ShmRegion.create(self.size, prefix="vring-drv")
+        self.name = self.region.name
+        if not keep_name:
+            # the backend maps the fd we pass, never the name: unlink it now, so that nothing is left in
+            # /dev/shm even if this process is killed (the memory lives while a mapping or fd does)
+            self.region.unlink()
+        self.table = MemoryTable([(gpa_base, self.size, self.region.buf)])
+        self.rx_layout = QueueLayout.contiguous(fmt, size, gpa_base + self.rx_off)
+        self.tx_layout = QueueLayout.contiguous(fmt, size, gpa_base + self.tx_off)
+        view = memoryview(self.region.buf)
+        self.pool = BufferPool(view[self.pool_off:], gpa_base + self.pool_off, nbufs, buf_size, headroom)
+        self.hdr_view = np.frombuffer(view[self.hdr_off:self.hdr_off + size * HDR_SLOT], np.uint8)
+
+    def fileno(self):
+        return self.region.fileno()
+
+    def close(self):
+        self.pool = None
+        self.hdr_view = None
+        self.region.close()
+
+
+class TxQueue:
+    """transmitq1 over a rings DriverQueue. ``burst(indices, lengths, more=False)`` -> packets queued."""
+
+    def __init__(self, mem, features, kickfd=None, force_slow=False):
+        self.features = features
+        self.hdr_size = net_hdr_size(features)
+        ind = (mem.gpa + mem.ind_off, mem.indirect_max) if has(features, VIRTIO_F_INDIRECT_DESC) else None
+        self.vq = _virtq.DriverQueue(mem.table, mem.tx_layout, features, indirect=ind)
+        n = self.vq.size
+        # the cleanup variant, fixed here: in-order (one used entry may cover a batch) or normal (by id)
+        self.variant = ("packed" if self.vq.layout.packed else "split") + ("_in_order" if self.vq.in_order else "")
+        self.pool = mem.pool
+        self.kickfd = kickfd
+        self._tok = np.zeros(n, np.uint64)
+        self._lens = np.zeros(n, np.uint32)
+        self._seg_addr = np.zeros(n, np.uint64)
+        self._seg_len = np.zeros(n, np.uint32)
+        t = self.c = ffi.new("struct vn_txq *")
+        t.q = _recast(self.vq.c, "struct vq_driver *")
+        t.pool = mem.pool.c
+        t.hdr_size = self.hdr_size
+        t.max_segs = n
+        t.cleanup_thresh = min(n, 64)
+        t.hdr_host = ffi.cast("uint8_t *", ffi.from_buffer(mem.hdr_view))
+        t.hdr_gpa = mem.gpa + mem.hdr_off
+        t.force_slow = int(bool(force_slow))
+        t.kickfd = -1 if kickfd is None else kickfd
+        t.tok, t.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
+        t.seg_addr, t.seg_len = _p("uint64_t *", self._seg_addr), _p("uint32_t *", self._seg_len)
+        self._cache = (None, None, None, None)
+
+    def _ptrs(self, idx, lens):
+        ci, pi, cl, pl = self._cache
+        if ci is not idx:
+            pi = _p("uint32_t *", idx)
+        if cl is not lens:
+            pl = _p("uint32_t *", lens)
+        self._cache = (idx, pi, lens, pl)
+        return pi, pl
+
+    def burst(self, indices, lengths, more=False):
+        """Queue packets (uint32 buffer indices and lengths); returns how many were queued. Packets not queued
+        stay the caller's. One publish per call; one kick at most, only if the device asks and not ``more``."""
+        idx = indices if isinstance(indices, np.ndarray) and indices.dtype == np.uint32 \
+            else np.ascontiguousarray(indices, np.uint32)
+        lens = lengths if isinstance(lengths, np.ndarray) and lengths.dtype == np.uint32 \
+            else np.ascontiguousarray(lengths, np.uint32)
+        n = min(len(idx), len(lens))
+        if n == 0:
+            return 0
+        self.vq._check()
+        pi, pl = self._ptrs(idx, lens)
+        sent = lib.vn_tx_burst(self.c, pi, pl, n, int(bool(more)))
+        if self.c.q.error:
+            self.vq._fail()
+        return sent
+
+    def flush(self):
+        """Kick now if a ``more=True`` burst left one pending and the device wants it."""
+        return bool(lib.vn_tx_flush(self.c))
+
+    @property
+    def kicks(self):
+        return self.c.kicks
+
+    def cleanup(self, need=0):
+        """Reclaim completed buffers until ``need`` descriptors are free (or nothing more is used)."""
+        self.vq._check()
+        r = lib.vn_tx_cleanup(self.c, need)
+        if r < 0:
+            self.vq._fail()
+        return r
+
+    @property
+    def inflight(self):
+        return self.vq.inflight
+
+    def counters(self):
+        c = self.c
+        return {"variant": self.variant, "packets": c.packets, "bytes": c.bytes, "kicks": self.kicks,
+                "fast_path": c.fast,
+                "slow_path": c.slow, "ring_full": c.full, "dropped": c.dropped, "cleanups": c.cleanups,
+                "reclaimed_bufs": c.reclaimed_bufs, "reclaimed_descs": c.reclaimed_descs, "errors": c.errors,
+                "inflight": self.vq.inflight}
+
+
+class RxQueue:
+    """receiveq1 over a rings DriverQueue, kept full of writable pool buffers (refilled in bursts)."""
+
+    def __init__(self, mem, features, burst=32, kickfd=None, callfd=None):
+        """``burst``: the largest ``max_pkts`` of ``burst()``, and the refill threshold."""
+        self.features = features
+        self.hdr_size = net_hdr_size(features)
+        self.mrg = has(features, VIRTIO_NET_F_MRG_RXBUF)
+        self.vq = _virtq.DriverQueue(mem.table, mem.rx_layout, features)
+        n = self.vq.size
+        self.pool = mem.pool
+        self.kickfd, self.callfd = kickfd, callfd
+        self.waits = 0
+        self.wakeups = 0
+        cap = n + max(burst, 1)
+        self._tok = np.zeros(n, np.uint64)
+        self._lens = np.zeros(n, np.uint32)
+        self._ref_idx = np.zeros(n, np.uint32)
+        self._ref_addr = np.zeros(n, np.uint64)
+        self._ref_len = np.zeros(n, np.uint32)
+        self._ref_tok = np.zeros(n, np.uint64)
+        self.out_idx = np.zeros(cap, np.uint32)
+        self.out_len = np.zeros(cap, np.uint32)
+        self._p_out_idx = _p("uint32_t *", self.out_idx)
+        self._p_out_len = _p("uint32_t *", self.out_len)
+        r = self.c = ffi.new("struct vn_rxq *")
+        r.q = _recast(self.vq.c, "struct vq_driver *")
+        r.pool = mem.pool.c
+        r.hdr_size = self.hdr_size
+        r.mrg = int(self.mrg)
+        r.post_len = mem.pool.buf_size - mem.pool.headroom + self.hdr_size
+        r.refill_thresh = max(1, min(burst, n))
+        r.kickfd = -1 if kickfd is None else kickfd
+        r.tok, r.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
+        r.ref_idx, r.ref_addr = _p("uint32_t *", self._ref_idx), _p("uint64_t *", self._ref_addr)
+        r.ref_len, r.ref_tok = _p("uint32_t *", self._ref_len), _p("uint64_t *", self._ref_tok)
+        if r.post_len < self.hdr_size:   # NET-25
+            raise ConfigError("Rx buffers must hold at least the virtio-net header")
+
+    def fill(self):
+        """Post buffers until the ring is full (at start)."""
+        return lib.vn_rx_refill(self.c, 1)
+
+    @property
+    def kicks(self):
+        return self.c.kicks
+
+    def burst(self, max_pkts=32):
+        """Received packets as (indices, lengths) views (valid until the next call); the header is stripped,
+        a mergeable packet comes back as one packet whose buffers chain through ``pool.next``. The caller owns
+        the packets (free them with ``pool.free`` or send them)."""
+        self.vq._check()
+        # an in-order used entry may complete a whole batch: leave room for a ring's worth beyond max_pkts
+        max_pkts = max(0, min(int(max_pkts), len(self.out_idx) - self.vq.size))
+        n = lib.vn_rx_burst(self.c, self._p_out_idx, self._p_out_len, max_pkts)
+        if n < 0:
+            self.vq._fail()
+        return self.out_idx[:n], self.out_len[:n]
+
+    def pending(self):
+        return bool(lib.vn_rx_pending(self.c))
+
+    def wait(self, timeout):
+        """Block on the call eventfd until a used buffer may be there (notifications on only while waiting).
+        Without a call fd: sleep-poll. Returns True if something is pending."""
+        if self.pending():
+            return True
+        self.waits += 1
+        if self.callfd is None:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.pending():
+                    return True
+                time.sleep(0.0005)
+            return False
+        self.vq.enable_calls(True)
+        self.c.calls_on = 1
+        try:
+            if self.pending():   # EVT-09: re-check after enabling
+                return True
+            r, _, _ = select.select([self.callfd], [], [], timeout)
+            if r:
+                try:
+                    os.eventfd_read(self.callfd)
+                    self.wakeups += 1
+                except BlockingIOError:
+                    pass
+            return self.pending()
+        finally:
+            self.c.calls_on = 0
+            self.vq.enable_calls(False)
+
+    def counters(self):
+        c = self.c
+        return {"packets": c.packets, "bytes": c.bytes, "buffers": c.bufs, "merged": c.merged,
+                "refills": c.refills, "posted": c.posted, "nombuf": c.nombuf, "errors": c.errors,
+                "kicks": self.kicks, "waits": self.waits, "wakeups": self.wakeups, "inflight": self.vq.inflight}
+
+
+class NetQueues:
+    """Guest memory + one Rx/Tx queue pair for negotiated ``features`` (the data path without the transport).
+    ``kickfds``/``callfds``: eventfds per queue index (RXQ, TXQ) or None (tests, polling only)."""
+
+    def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=128,
+                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=8):
+        fmt = fmt or ("packed" if has(features, VIRTIO_F_RING_PACKED) else "split")
+        self.features, self.fmt, self.size, self.burst = features, fmt, size, burst
+        nbufs = nbufs or max(4096, 4 * size + 8 * burst)
+        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, indirect_max)
+        self.pool = self.mem.pool
+        self.rx = RxQueue(self.mem, features, burst, kickfd=kickfds[RXQ], callfd=callfds[RXQ])
+        self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow)
+        # polling by default: ask the device not to call us (split NO_INTERRUPT / packed DISABLE)
+        self.rx.vq.enable_calls(False)
+        self.tx.vq.enable_calls(False)
+
+    @property
+    def hdr_size(self):
+        return self.tx.hdr_size
+
+    def layouts(self):
+        return {RXQ: self.mem.rx_layout, TXQ: self.mem.tx_layout}
+
+    def counters(self):
+        return {"rx": self.rx.counters(), "tx": self.tx.counters(),
+                "pool": {"available": self.pool.available, "nbufs": self.pool.nbufs,
+                         "bad_frees": self.pool.bad_frees}}
+
+    def close(self):
+        self.rx = self.tx = None
+        self.pool = None
+        self.mem.close()

@@ -1,0 +1,84 @@
+"""`vring driver`: the virtio-net driver process against a vhost-user backend (e.g. DPDK net_vhost)."""
+import json
+import sys
+
+from virtio.app import DriverConfig, run
+
+
+def register(sub):
+    p = sub.add_parser("driver", help="run the virtio-net driver (vhost-user frontend) against a backend",
+                       description=__doc__)
+    p.add_argument("--socket", required=True, help="the backend's vhost-user socket")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--packed", dest="packed", action="store_true", help="packed virtqueues")
+    g.add_argument("--split", dest="packed", action="store_false", help="split virtqueues (default)")
+    p.set_defaults(packed=False)
+    for name, dest, default, what in (("in-order", "in_order", True, "VIRTIO_F_IN_ORDER"),
+                                      ("mrg-rxbuf", "mrg_rxbuf", True, "VIRTIO_NET_F_MRG_RXBUF"),
+                                      ("event-idx", "event_idx", False, "VIRTIO_F_EVENT_IDX"),
+                                      ("indirect", "indirect", True, "VIRTIO_F_INDIRECT_DESC"),
+                                      ("version-1", "version_1", True, "VIRTIO_F_VERSION_1")):
+        g = p.add_mutually_exclusive_group()
+        g.add_argument(f"--{name}", dest=dest, action="store_true", help=f"negotiate {what}" +
+                       (" (default)" if default else ""))
+        g.add_argument(f"--no-{name}", dest=dest, action="store_false", help=f"do not negotiate {what}" +
+                       ("" if default else " (default)"))
+        p.set_defaults(**{dest: default})
+    p.add_argument("--ring-size", type=int, default=256)
+    p.add_argument("--burst", type=int, default=32)
+    p.add_argument("--mode", choices=("txonly", "macfwd", "rxonly"), default="macfwd")
+    p.add_argument("--count", type=int, default=0,
+                   help="txonly/rxonly: stop after N packets; macfwd: inject N packets first (like tx_first)")
+    p.add_argument("--seconds", type=float, default=0.0, help="run for S seconds (default: until Ctrl-C, "
+                   "or until --count for txonly/rxonly)")
+    p.add_argument("--pkt-size", type=int, default=64, help="frame size in bytes (without FCS), min 60")
+    p.add_argument("--buf-size", type=int, default=2048,
+                   help="pool buffer size incl. 128 B headroom (small buffers: chained Tx, merged Rx)")
+    p.add_argument("--json", action="store_true", help="print the counters as JSON")
+    p.add_argument("--verify", action="store_true",
+                   help="check every received frame: MACs swapped, payload intact, sequence numbers")
+    p.add_argument("--stamp", action="store_true", help="timestamp generated frames (CLOCK_MONOTONIC ns)")
+    p.add_argument("--latency", action="store_true",
+                   help="macfwd: measure the round-trip latency of every frame (stamped at each send)")
+    p.add_argument("--wait", action="store_true", help="sleep on the Rx call eventfd when idle")
+    p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
+                   help="send every packet through the slow path (header descriptor or indirect)")
+    p.add_argument("--spin", type=int, default=64,
+                   help="macfwd: empty Rx polls done in C before returning to Python (0: one poll per call)")
+    p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
+    p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
+    p.add_argument("--dst-mac", default=DriverConfig.dst_mac)
+    p.add_argument("--src-mac", default=DriverConfig.src_mac)
+    p.set_defaults(run=main)
+    return p
+
+
+def main(args):
+    cfg = DriverConfig(
+        socket=args.socket, packed=args.packed, in_order=args.in_order, mrg_rxbuf=args.mrg_rxbuf,
+        version_1=args.version_1, event_idx=args.event_idx, indirect=args.indirect, ring_size=args.ring_size,
+        burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
+        dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
+        force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin)
+    try:
+        res = run(cfg)
+    except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
+        from rings.errors import VringError
+        if isinstance(e, VringError):
+            print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        raise
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        rx, tx = res["rx"], res["tx"]
+        print(f"features {res['features']:#x} ({' '.join(res['feature_names'])}), header {res['hdr_size']} B")
+        print(f"rx: {rx['packets']} packets {rx['bytes']} bytes ({res['rx_pps']} pps), errors {rx['errors']}")
+        print(f"tx: {tx['packets']} packets {tx['bytes']} bytes ({res['tx_pps']} pps), kicks {tx['kicks']}, "
+              f"cleanups {tx['cleanups']}, reclaimed {tx['reclaimed_descs']} descs, dropped {tx['dropped']}")
+        if "latency" in res:
+            print(f"latency: {res['latency']}")
+        if "verify" in res:
+            print(f"verify: {res['verify']}")
+    return 0

@@ -1,0 +1,74 @@
+"""`vring vhost`: the vhost-user backend emulator (a virtio-net device that forwards packets back)."""
+import logging
+import os
+import signal
+import sys
+
+from rings.errors import ConfigError
+
+
+def register(sub):
+    p = sub.add_parser("vhost", help="run the vhost-user backend (virtio-net device) on a Unix socket")
+    p.add_argument("--socket", required=True, metavar="PATH", help="vhost-user socket (created with mode 0600)")
+    p.add_argument("--client", action="store_true",
+                   help="connect to PATH (a frontend in server mode) instead of listening; reconnects")
+    p.add_argument("--retries", type=int, default=0, metavar="N",
+                   help="Rx enqueue retries 0..8, each only after an attempt that made progress (default 0)")
+    p.add_argument("--used-batch", choices=("per-buffer", "per-burst"), default="per-burst",
+                   help="publish used entries after each buffer/packet or once per burst (default)")
+    p.add_argument("--in-order-batch", action="store_true",
+                   help="with IN_ORDER: one used entry per batch on the Tx queue (vring 1), as DPDK writes it")
+    p.add_argument("--txq-threshold", type=int, default=32, metavar="N",
+                   help="intermediate Tx queue: enqueue when N packets wait (default 32)")
+    p.add_argument("--txq-flush", default="rx-batch", metavar="rx-batch|timer:US|threshold",
+                   help="drain the rest after every poll (rx-batch, default), after US microseconds "
+                        "(timer:US), or when the Tx queue runs dry (threshold)")
+    p.add_argument("--fwd", choices=("macswap", "io", "rxonly"), default="macswap")
+    p.add_argument("--burst", type=int, default=32, help="dequeue burst (default 32)")
+    p.add_argument("--pkt-size", type=int, default=2048,
+                   help="bytes per backend packet buffer; larger packets are dropped and counted")
+    p.add_argument("--stats-interval", type=float, default=0.0, metavar="S",
+                   help="print counters every S seconds (default: only at exit)")
+    p.add_argument("--json", action="store_true", help="counters as JSON lines")
+    p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin the process to CPU")
+    p.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="exit after N frontends have come and gone (default: serve forever)")
+    p.add_argument("--reconnect", type=float, default=1.0, metavar="S", help="--client: retry every S seconds")
+    p.add_argument("--slice-us", type=int, default=500, metavar="US",
+                   help="data-path time slice between looks at the control socket (default 500)")
+    p.add_argument("--timing", action="store_true",
+                   help="measure the time spent in iterations that moved packets (busy_ns counter)")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    p.set_defaults(run=run)
+
+
+def run(args):
+    from vhost.datapath import Options
+    from vhost.server import Server
+
+    logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose + 1, 2), stream=sys.stderr,
+                        format="%(asctime)s vhost %(levelname)s %(message)s")
+    try:
+        opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
+                       in_order_batch=args.in_order_batch, txq_threshold=args.txq_threshold,
+                       txq_flush=args.txq_flush, fwd=args.fwd, pkt_size=args.pkt_size,
+                       timing=args.timing)
+    except ConfigError as e:
+        raise SystemExit(f"vring vhost: {e}")
+    if args.pin is not None:
+        try:
+            os.sched_setaffinity(0, {args.pin})
+        except OSError as e:
+            raise SystemExit(f"vring vhost: cannot pin to CPU {args.pin}: {e}")
+    server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
+                    stats_interval=args.stats_interval, json_stats=args.json)
+    signal.signal(signal.SIGINT, server.stop)
+    signal.signal(signal.SIGTERM, server.stop)
+    try:
+        server.open()
+    except ConfigError as e:
+        raise SystemExit(f"vring vhost: {e}")
+    if not args.client:
+        print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
+    server.serve(max_connections=args.max_connections)
+    return 0
