@@ -118,11 +118,16 @@ class _Queue:
         if self.broken is not None:
             raise self.broken
 
+    def mark_broken(self):
+        """Turn the C error code into the sticky typed error (for C loops that break a queue) and return it."""
+        if self.broken is None:
+            c = self.c
+            self.broken = ring_error(c.error, c.err_a, c.err_b, self.side, self.size)
+            _rawdump.on_broken(self, self.broken)  # a raw snapshot, if a snapshot directory is set
+        return self.broken
+
     def _fail(self):
-        c = self.c
-        self.broken = ring_error(c.error, c.err_a, c.err_b, self.side, self.size)
-        _rawdump.on_broken(self, self.broken)  # a raw snapshot, if a snapshot directory is set
-        raise self.broken
+        raise self.mark_broken()
 
     def state(self):
         """The C state as a dict of plain ints (for snapshots)."""

@@ -16,7 +16,6 @@ import numpy as np
 from rings._virtq import ffi as rings_ffi
 from rings.errors import ConfigError
 from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has)
-from rings.virtq import ring_error
 
 from ._net import ffi, lib
 
@@ -173,9 +172,7 @@ class Datapath:
         new = {}
         for bit, idx, q in ((1, 0, self.rxq), (2, 1, self.txq)):
             if broken & bit and not self._reported & bit:
-                c = q.c
-                q.broken = ring_error(c.error, c.err_a, c.err_b, "device", q.size)
-                self.errors[idx] = new[idx] = q.broken
+                self.errors[idx] = new[idx] = q.mark_broken()
         self._reported = broken
         return new
 

@@ -26,6 +26,8 @@ from rings.layout import feature_names
 from . import packets
 from ._net import ffi, lib
 from .frontend import VhostUserFrontend, want_features
+from rings.ctl import ControlServer
+
 from .net import NetQueues
 
 
@@ -57,6 +59,7 @@ class DriverConfig:
     pin: int | None = None
     nbufs: int = 0
     buf_size: int = 2048      # pool buffer size (headroom 128 included); small buffers make Rx merge
+    ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
 
 
 def pin_all_threads(cpu):
@@ -95,7 +98,7 @@ def run(cfg: DriverConfig, on_ready=None):
     want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
                          MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
     fe = VhostUserFrontend(cfg.socket, timeout=cfg.timeout)
-    nq = None
+    nq = ctl = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     result = {"config": asdict(cfg)}
@@ -107,6 +110,8 @@ def run(cfg: DriverConfig, on_ready=None):
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
                        kickfds=fe.kickfds, callfds=fe.callfds, force_slow=cfg.force_slow)
         nq.rx.fill()
+        if cfg.ctl:
+            ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
         fe.start(nq.mem, nq.layouts())
         result.update(features=features, feature_names=feature_names(features), hdr_size=nq.hdr_size,
                       protocol_features=fe.protocol)
@@ -132,6 +137,8 @@ def run(cfg: DriverConfig, on_ready=None):
         except Exception:
             pass
         fe.close()
+        if ctl is not None:
+            ctl.close()
         if nq is not None:
             nq.close()
 

@@ -1,6 +1,9 @@
 """`vring driver`: the virtio-net driver process against a vhost-user backend (e.g. DPDK net_vhost)."""
 import json
 import sys
+import tempfile
+
+from rings import rawdump
 
 from virtio.app import DriverConfig, run
 
@@ -48,6 +51,9 @@ def register(sub):
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
     p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
+    p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
+    p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
+                   help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
     p.add_argument("--dst-mac", default=DriverConfig.dst_mac)
     p.add_argument("--src-mac", default=DriverConfig.src_mac)
     p.set_defaults(run=main)
@@ -60,7 +66,9 @@ def main(args):
         version_1=args.version_1, event_idx=args.event_idx, indirect=args.indirect, ring_size=args.ring_size,
         burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
-        force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin)
+        force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
+        ctl=args.ctl)
+    rawdump.set_snapshot_dir(args.snapshot_dir)
     try:
         res = run(cfg)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures

@@ -3,7 +3,10 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 
+from rings import rawdump
+from rings.ctl import ControlServer
 from rings.errors import ConfigError
 
 
@@ -38,6 +41,9 @@ def register(sub):
                    help="data-path time slice between looks at the control socket (default 500)")
     p.add_argument("--timing", action="store_true",
                    help="measure the time spent in iterations that moved packets (busy_ns counter)")
+    p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
+    p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
+                   help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.set_defaults(run=run)
 
@@ -68,7 +74,18 @@ def run(args):
         server.open()
     except ConfigError as e:
         raise SystemExit(f"vring vhost: {e}")
+    rawdump.set_snapshot_dir(args.snapshot_dir)
+    ctl = None
+    if args.ctl:
+        def queue(index):  # the queues of the current connection's data path, if any
+            dp = server.device.datapath if server.device is not None else None
+            return None if dp is None else (dp.rxq, dp.txq)[index]
+        ctl = ControlServer(args.ctl).register("rx", lambda: queue(0)).register("tx", lambda: queue(1)).start()
     if not args.client:
         print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
-    server.serve(max_connections=args.max_connections)
+    try:
+        server.serve(max_connections=args.max_connections)
+    finally:
+        if ctl is not None:
+            ctl.close()
     return 0
