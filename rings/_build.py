@@ -7,11 +7,27 @@ from cffi import FFI
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
 
+def cdef_of(path):
+    """A declarations-only header as cffi cdef text (comments stripped)."""
+    with open(path) as f:
+        return re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+
+
 def ring_cdef():
     """The declarations of csrc/virtq_types.h, for other packages' builders to reuse."""
-    with open(os.path.join(CSRC, "virtq_types.h")) as f:
-        text = f.read()
-    return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return cdef_of(os.path.join(CSRC, "virtq_types.h"))
+
+
+def package_ffi(module, csrc, header, types_header, functions, opt="-O2"):
+    """The FFI builder of another package's C burst loops: its ``header`` (in ``csrc``) includes the ring
+    primitives of csrc/virtq.h; the cdef is the ring structs, then ``types_header``, then ``functions``."""
+    ffi = FFI()
+    ffi.cdef(ring_cdef() + cdef_of(os.path.join(csrc, types_header)) + functions)
+    ffi.set_source(module, f'#include "{header}"', include_dirs=[csrc, CSRC],
+                   extra_compile_args=[opt, "-std=gnu11"],
+                   depends=[os.path.join(csrc, n) for n in (header, types_header)]
+                   + [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")])
+    return ffi
 
 
 CDEF = ring_cdef() + """

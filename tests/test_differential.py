@@ -5,7 +5,6 @@ Covers the whole contract of rings/README.md for split and packed, normal and in
 EVENT_IDX and INDIRECT_DESC, batched and per-buffer in-order completions (INORDER-06..15, EVT-05..26,
 SPLIT-D-11/12, PACKED-D-02/03/12/15, PACKED-V-01/02/09/16, MEM-06).
 """
-import numpy as np
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

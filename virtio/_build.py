@@ -1,23 +1,15 @@
 """cffi builder for virtio._net: the virtio-net driver's burst loops (csrc/vnet.h) over the ring primitives of
 rings/csrc/virtq.h (included, not linked: every primitive is static inline)."""
 import os
-import re
 import sys
-
-from cffi import FFI
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(HERE, "csrc")
 sys.path.insert(0, os.path.dirname(HERE))
-from rings._build import CSRC as RINGS_CSRC, ring_cdef  # noqa: E402
+from rings._build import package_ffi  # noqa: E402
 
 
-def net_cdef():
-    with open(os.path.join(CSRC, "vnet_types.h")) as f:
-        return re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
-
-
-CDEF = ring_cdef() + net_cdef() + """
+ffibuilder = package_ffi("virtio._net", CSRC, "vnet.h", "vnet_types.h", """
 uint32_t vn_pool_alloc(struct vn_pool *p, uint32_t *out, uint32_t n);
 void vn_pool_free(struct vn_pool *p, const uint32_t *idx, uint32_t n);
 int vn_tx_cleanup(struct vn_txq *t, uint32_t need);
@@ -42,18 +34,7 @@ uint64_t vn_now_ns(void);
 void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n);
 int vq_drv_kick_prepare(struct vq_driver *q);
 void vq_drv_publish(struct vq_driver *q);
-"""
-
-ffibuilder = FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source(
-    "virtio._net",
-    '#include "vnet.h"',
-    include_dirs=[CSRC, RINGS_CSRC],
-    extra_compile_args=["-O2", "-std=gnu11"],
-    depends=[os.path.join(CSRC, n) for n in ("vnet.h", "vnet_types.h")]
-    + [os.path.join(RINGS_CSRC, n) for n in ("virtq.h", "virtq_types.h")],
-)
+""")
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

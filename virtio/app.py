@@ -230,7 +230,7 @@ class _Loop:
     # -- loops
 
     def run(self):
-        cfg, nq = self.cfg, self.nq
+        cfg = self.cfg
         deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
@@ -245,10 +245,9 @@ class _Loop:
         getattr(self, "_run_" + cfg.mode)(deadline)
 
     def _run_macfwd(self, deadline):
-        rx, tx, b, stop = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.stop
-        now, verify = time.monotonic, self.cfg.verify
+        rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
         p_idx, p_lens = self.p_idx, self.p_lens
-        if verify or self.cfg.wait:
+        if self.cfg.verify or self.cfg.wait:
             it = 0
             while True:
                 it += 1
@@ -304,7 +303,7 @@ class _Loop:
     def _run_txonly(self, deadline):
         cfg, tx = self.cfg, self.nq.tx
         limit = cfg.count or float("inf")
-        now, stop, it = time.monotonic, self.stop, 0
+        it = 0
         gen, t, p_idx, p_lens, p_tmpl, plen = lib.vn_gen_tx, tx.c, self.p_idx, self.p_lens, self.p_tmpl, self.plen
         seq_off, ts_off, stamp, b = packets.SEQ_OFF, packets.TS_OFF, int(cfg.stamp), cfg.burst
         while t.packets < limit:
@@ -319,7 +318,7 @@ class _Loop:
     def _run_rxonly(self, deadline):
         cfg, rx = self.cfg, self.nq.rx
         limit = cfg.count or float("inf")
-        now, stop, it = time.monotonic, self.stop, 0
+        it = 0
         if cfg.verify or cfg.wait:
             while rx.c.packets < limit:
                 n = lib.vn_rx_burst(rx.c, self.p_idx, self.p_lens, cfg.burst)
