@@ -319,6 +319,13 @@ def _remove_driver_shm(pid):
     return removed
 
 
+def _block_signals():
+    try:
+        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _vring_cmd(*args):
     return [sys.executable, "-m", "vring.cli", *map(str, args)]
 
@@ -334,8 +341,7 @@ class Measurement:
         self.driver_kind, self.device_kind = pair.split("/")
         self.packed, self.in_order = PATHS[path]
         self.progress = progress or (lambda **kw: None)
-        self.workdir = tempfile.mkdtemp(prefix="vring-bench-")
-        self.sock = os.path.join(self.workdir, "vhost.sock")
+        self.workdir = self.sock = None
         self.procs: list[_Proc] = []
         self.testpmds = []
         self.driver_pids = []
@@ -519,7 +525,16 @@ class Measurement:
         return drv, dev
 
     def close(self):
-        """Stop whatever still runs (SIGKILL if it does not stop), remove sockets, shm and the directory."""
+        """Stop whatever still runs (SIGKILL if it does not stop), remove sockets, shm and the directory.
+        SIGINT/SIGTERM are held back meanwhile (a second Ctrl-C must not leave half of it undone)."""
+        blocked = _block_signals()
+        try:
+            self._close()
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _close(self):
         for p in self.procs:
             if p.alive():
                 p.stop(signal.SIGINT, timeout=5.0)
@@ -532,6 +547,8 @@ class Measurement:
             removed = _remove_driver_shm(pid)
             if removed:
                 self.notes.append(f"removed shared memory left by the driver: {', '.join(removed)}")
+        if self.workdir is None:
+            return
         if self.cfg.keep:
             self.notes.append(f"kept {self.workdir}")
         else:
@@ -539,6 +556,8 @@ class Measurement:
 
     def run(self):
         try:
+            self.workdir = tempfile.mkdtemp(prefix="vring-bench-")
+            self.sock = os.path.join(self.workdir, "vhost.sock")
             self._start_device()
             self._start_driver()
             rates = self._sample_loop()
@@ -550,7 +569,6 @@ class Measurement:
     # -- the record
 
     def _record(self, rates, drv, dev):
-        cfg = self.cfg
         rec = {"pair": self.pair, "driver": self.driver_kind, "device": self.device_kind, "path": self.path,
                "packed": self.packed, "in_order": self.in_order, "pkt_size": self.size, "repeat": self.rep}
         rec["rate"] = {
@@ -635,7 +653,7 @@ def _latency(kind, drv):
 
 
 def _notifications(d, v, moved):
-    per = (lambda x: None if x is None or not moved else round(x / moved, 6))
+    per = (lambda x: None if x is None or not moved else float(f"{x / moved:.4g}"))
     kicks, calls = d["kicks"], v["calls"]
     calls_src = "device counters"
     if calls is None and d["calls_seen"] is not None:
@@ -711,6 +729,7 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
     started = time.time()
     machine = machine_description()
     records, errors = [], []
+    interrupted = False
     todo = list(cfg.points())
     for k, (rep, path, size, pair) in enumerate(todo):
         def prog(**kw):
@@ -718,12 +737,16 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
                 progress(index=k, count=len(todo), pair=pair, path=path, size=size, rep=rep, **kw)
         try:
             rec = Measurement(cfg, pair, path, size, rep, prog).run()
-        except BenchError as e:
+        except KeyboardInterrupt:   # Ctrl-C / SIGTERM: that measurement is cleaned up; report what is done
+            interrupted = True
+            break
+        except Exception as e:      # one failed point (a process died, testpmd refused, ...) is reported, not fatal
             rec = None
-            errors.append({"pair": pair, "path": path, "pkt_size": size, "repeat": rep, "error": str(e)})
+            why = str(e) if isinstance(e, BenchError) else f"{type(e).__name__}: {e}"
+            errors.append({"pair": pair, "path": path, "pkt_size": size, "repeat": rep, "error": why})
             if progress:
                 progress(index=k, count=len(todo), pair=pair, path=path, size=size, rep=rep, phase="failed",
-                         error=str(e))
+                         error=why)
         if rec is not None:
             records.append(rec)
             if on_record:
@@ -743,7 +766,7 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
                        "dpdk_device": "dpdk-testpmd net_vhost, --forward-mode=macswap",
                        "loss_check": "injected == in flight (driver Tx not dequeued + device pending + enqueued "
                                      "not received + held by the driver) + lost (all drop counters)"},
-            "points": aggregate(cfg, records), "runs": records, "errors": errors}
+            "interrupted": interrupted, "points": aggregate(cfg, records), "runs": records, "errors": errors}
 
 
 # --------------------------------------------------------------------------------------------- output
@@ -752,7 +775,15 @@ def _fmt(x, spec, none="-"):
     return none if x is None else format(x, spec)
 
 
+def _small(x):
+    if x is None:
+        return "-"
+    return "0" if x == 0 else format(x, ".4f") if x >= 1e-3 else format(x, ".1e")
+
+
 def format_table(result):
+    """The table at the end. "vs dpdk": our rate / DPDK's pair at the same point, as the median of the ratios of
+    runs made side by side (same repeat); Mpps: median of the per-repeat medians, min-max over all samples."""
     pts = result["points"]
     head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'Mpps':>7s} {'min-max':>13s} {'vs dpdk':>7s} "
             f"{'p50 us':>8s} {'p99 us':>8s} {'p99.9 us':>9s} {'kick/pkt':>9s} {'call/pkt':>9s} {'retries':>7s} "
@@ -767,20 +798,24 @@ def format_table(result):
         mpps = None if pps["median"] is None else pps["median"] / 1e6
         rng = "-" if pps["min"] is None else f"{pps['min'] / 1e6:.2f}-{pps['max'] / 1e6:.2f}"
         lat, nt = p["latency"], p["notifications"]
-        vs = p["vs_dpdk"]["ratio"] if p["vs_dpdk"] else None
+        vs = None
+        if p["vs_dpdk"]:   # side by side: the median of the per-repeat ratios (each pair of runs saw the same noise)
+            vs = p["vs_dpdk"]["median_of_per_repeat"] or p["vs_dpdk"]["ratio"]
         lines.append(
             f"{p['path']:16s} {p['pkt_size']:>5d} {p['pair']:13s} {_fmt(mpps, '7.3f'):>7s} {rng:>13s} "
             f"{_fmt(vs, '7.3f'):>7s} {_fmt(lat['p50_us'], '8.1f'):>8s} {_fmt(lat['p99_us'], '8.1f'):>8s} "
-            f"{_fmt(lat['p99.9_us'], '9.1f'):>9s} {_fmt(nt['kicks_per_packet'], '9.4f'):>9s} "
-            f"{_fmt(nt['calls_per_packet'], '9.4f'):>9s} {_fmt(p['retries'], 'd'):>7s} {p['drops']:>6d} "
+            f"{_fmt(lat['p99.9_us'], '9.1f'):>9s} {_small(nt['kicks_per_packet']):>9s} "
+            f"{_small(nt['calls_per_packet']):>9s} {_fmt(p['retries'], 'd'):>7s} {p['drops']:>6d} "
             f"{'ok' if p['loss_check_ok'] else 'FAIL':>5s}")
+    if any(p["vs_dpdk"] for p in pts):
+        lines.append("vs dpdk: rate / dpdk/dpdk's at the same point, median of the side-by-side (same repeat) ratios")
     for e in result.get("errors", []):
         first = e["error"].splitlines()[0] if e["error"] else ""
         lines.append(f"FAILED {e['path']} {e['pkt_size']} {e['pair']} repeat {e['repeat'] + 1}: {first}")
     return "\n".join(lines)
 
 
-def plot(result, path):
+def plot(result, out):
     """Rates per path (bars per pair, min-max whiskers) and latency percentiles of our driver's pairs."""
     import matplotlib
     matplotlib.use("Agg")
@@ -823,7 +858,9 @@ def plot(result, path):
                     continue
                 xs.append(g + (k - (len(lat_pairs) * len(PCTS) - 1) / 2) * w2)
                 ys.append(p["latency"][pc + "_us"])
-            ax2.bar(xs, ys, w2, label=f"{pair} {pc}")
+            ax2.bar(xs, ys, w2, label=f"{pair} {pc}", color=f"C{pairs.index(pair)}",
+                    alpha=(1.0, 0.7, 0.45)[PCTS.index(pc)], hatch=("", "//", "xx")[PCTS.index(pc)],
+                    edgecolor="black", linewidth=0.5)
             k += 1
     ax2.set_xticks(range(len(groups)), labels)
     ax2.set_yscale("log")
@@ -834,5 +871,5 @@ def plot(result, path):
     else:
         ax2.text(0.5, 0.5, "no pair with our driver: no latency", ha="center", transform=ax2.transAxes)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -22,10 +22,6 @@ import time
 from vring import bench
 
 
-class _ParseError(Exception):
-    pass
-
-
 def _list_type(fn):
     def parse(text):
         try:
@@ -106,7 +102,7 @@ def config_from_args(args):
             raise ValueError(f"the DPDK pairs need dpdk-testpmd: {why}")
     if args.plot:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib  # noqa: F401 (only: is it there)
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'vring[plot]' (or pip install matplotlib)") \
                 from None
@@ -116,7 +112,8 @@ def config_from_args(args):
 class Progress:
     """One live line on stderr (rewritten in place on a terminal; one line per finished point otherwise)."""
 
-    def __init__(self, stream=sys.stderr, quiet=False):
+    def __init__(self, stream=None, quiet=False):
+        stream = stream or sys.stderr
         self.stream, self.quiet = stream, quiet
         self.tty = hasattr(stream, "isatty") and stream.isatty()
         self.last = 0.0
@@ -206,9 +203,12 @@ def run(args):
                 f.write(text + "\n")
             os.replace(tmp, args.json)
             print(f"json: {args.json}", file=sys.stderr)
-    if args.plot:
+    if args.plot and result["points"]:
         bench.plot(result, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
+    if result["interrupted"]:
+        print("vring bench: interrupted; the table and the JSON hold the points measured so far", file=sys.stderr)
+        return 130
     ok = not result["errors"] and all(p["loss_check_ok"] for p in result["points"])
     return 0 if ok else 1
 

@@ -1,0 +1,268 @@
+"""`vring bench`: the two-process loopback benchmark end to end (short runs, no timing assertions), its JSON,
+its cleanup (also on Ctrl-C), and its argument errors."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vring import bench, dpdk
+from vring.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+POINT_KEYS = {"path", "pkt_size", "pair", "pps", "latency", "notifications", "retries", "drops", "loss_check_ok",
+              "repeats", "vs_dpdk"}
+RUN_KEYS = {"pair", "driver", "device", "path", "packed", "in_order", "pkt_size", "repeat", "rate", "latency",
+            "notifications", "retries", "drops", "loss_check", "features", "counters", "notes"}
+MACHINE_KEYS = {"cpu_model", "cpus", "kernel", "python", "dpdk", "loadavg"}
+
+
+@pytest.fixture
+def tracked(monkeypatch, tmp_path):
+    """Temporary directories go under tmp_path; every child process the benchmark starts is recorded."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    procs = []
+    orig = bench._Proc.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **kw)
+        procs.append(self)
+    monkeypatch.setattr(bench._Proc, "__init__", init)
+    return procs
+
+
+def _assert_clean(tmp_path, procs):
+    assert not glob.glob(str(tmp_path / "vring-bench-*")), "a measurement directory was left behind"
+    for p in procs:
+        assert p.proc.poll() is not None, f"{p.name} (pid {p.pid}) still runs"
+        assert not glob.glob(f"/dev/shm/vring-drv-{p.pid}-*"), f"shared memory of pid {p.pid} left behind"
+
+
+def test_ours_against_ours_all_four_paths(tmp_path, tracked, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--seconds", "1", "--warmup", "0.5", "--interval", "0.25", "--json", str(out), "-q"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out.read_text())
+    assert res["errors"] == []
+    assert MACHINE_KEYS <= set(res["machine"])
+    assert res["config"]["pairs"] == ["ours/ours"]
+    assert [p["path"] for p in res["points"]] == list(bench.PATHS)
+    for p in res["points"]:
+        assert POINT_KEYS <= set(p), POINT_KEYS - set(p)
+        assert p["loss_check_ok"], p
+        assert p["pps"]["median"] > 0 and p["pps"]["min"] <= p["pps"]["median"] <= p["pps"]["max"]
+        assert set(p["pps"]) >= {"median", "min", "max", "per_repeat"}
+        for pc in bench.PCTS:
+            assert p["latency"][pc + "_us"] > 0
+        assert p["notifications"]["kicks_per_packet"] is not None
+        assert p["notifications"]["calls_per_packet"] is not None
+        assert p["retries"] == 0 and p["vs_dpdk"] is None
+    assert len(res["runs"]) == 4
+    for r in res["runs"]:
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        lc = r["loss_check"]
+        assert lc["ok"] and lc["injected"] == 256 and lc["unaccounted"] == 0
+        assert lc["injected"] == lc["in_flight"] + lc["lost"]
+        assert r["rate"]["samples_pps"]
+        assert r["counters"]["driver"]["tx"]["packets"] == r["counters"]["device"]["txq1"]["tx_packets"]
+        assert ("RING_PACKED" in r["features"]) == r["packed"]
+        assert ("IN_ORDER" in r["features"]) == r["in_order"]
+    for name in bench.PATHS:   # the table names every point
+        assert name in text
+    _assert_clean(tmp_path, tracked)
+
+
+def test_options_reach_both_processes(tmp_path, tracked, capsys):
+    """Burst, ring size, packet size, injected count, retries and mrg_rxbuf are what the two processes used."""
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--paths", "packed-in-order", "--pkt-size", "128,1500", "--burst", "16", "--ring-size", "512",
+               "--inject", "100", "--retries", "2", "--txq-flush", "timer:50", "--no-mrg-rxbuf",
+               "--seconds", "0.6", "--warmup", "0.2", "--interval", "0.2", "--json", str(out), "-q"])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert [p["pkt_size"] for p in res["points"]] == [128, 1500]
+    for r in res["runs"]:
+        drv = r["counters"]["driver"]
+        assert "MRG_RXBUF" not in r["features"]
+        assert r["loss_check"]["injected"] == 100 and r["loss_check"]["ok"]
+        assert drv["tx"]["bytes"] == drv["tx"]["packets"] * r["pkt_size"]
+    argv = {p.name: p.argv for p in tracked}
+    assert "--retries" in argv["device"] and argv["device"][argv["device"].index("--retries") + 1] == "2"
+    assert argv["device"][argv["device"].index("--txq-flush") + 1] == "timer:50"
+    assert argv["driver"][argv["driver"].index("--ring-size") + 1] == "512"
+    assert argv["driver"][argv["driver"].index("--burst") + 1] == "16"
+    _assert_clean(tmp_path, tracked)
+
+
+@pytest.mark.skipif(bool(dpdk.skip_reason()), reason=dpdk.skip_reason() or "ok")
+def test_vs_dpdk_short(tmp_path, tracked, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--vs-dpdk", "--paths", "split-in-order", "--seconds", "1", "--warmup", "0.5",
+               "--interval", "0.25", "--json", str(out), "-q"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    res = json.loads(out.read_text())
+    pts = {p["pair"]: p for p in res["points"]}
+    assert set(pts) == {"ours/ours", "dpdk/dpdk"}
+    assert all(p["loss_check_ok"] for p in pts.values())
+    assert pts["ours/ours"]["vs_dpdk"]["ratio"] > 0
+    assert pts["dpdk/dpdk"]["latency"]["p50_us"] is None and "timestamps" in pts["dpdk/dpdk"]["latency"]["reason"]
+    assert pts["dpdk/dpdk"]["notifications"]["kicks_per_packet"] is None
+    assert res["machine"]["dpdk"]
+    assert "dpdk/dpdk" in text
+    _assert_clean(tmp_path, tracked)
+    assert not glob.glob(str(tmp_path / "*.sock"))
+
+
+@pytest.mark.skipif(bool(dpdk.skip_reason()), reason=dpdk.skip_reason() or "ok")
+def test_mixed_pairs_short(tmp_path, tracked, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--pairs", "ours/dpdk,dpdk/ours", "--paths", "packed-normal", "--seconds", "0.6",
+               "--warmup", "0.3", "--interval", "0.3", "--json", str(out), "-q"])
+    assert rc == 0, capsys.readouterr()
+    res = json.loads(out.read_text())
+    pts = {p["pair"]: p for p in res["points"]}
+    assert set(pts) == {"ours/dpdk", "dpdk/ours"}
+    assert all(p["loss_check_ok"] for p in pts.values())
+    assert pts["ours/dpdk"]["latency"]["p50_us"] > 0
+    assert pts["dpdk/ours"]["notifications"]["calls_per_packet"] is not None
+    _assert_clean(tmp_path, tracked)
+
+
+def test_ctrl_c_stops_and_cleans_everything(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = tmp_path / "partial.json"
+    proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "bench", "--paths", "split-normal,packed-normal",
+                             "--seconds", "60", "--json", str(out)],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not glob.glob(str(tmp_path / "vring-bench-*" / "driver.out")):
+            time.sleep(0.1)
+        time.sleep(1.0)   # both processes up and forwarding
+        children = _processes_mentioning(str(tmp_path))
+        assert len(children) >= 2, "the benchmark's device and driver should be running"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, err
+        assert b"interrupted" in err
+        res = json.loads(out.read_text())   # what was measured so far (nothing here), flagged as interrupted
+        assert res["interrupted"] is True and res["runs"] == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert not _processes_mentioning(str(tmp_path))
+    assert not glob.glob(str(tmp_path / "vring-bench-*"))
+    for pid in children:
+        assert not glob.glob(f"/dev/shm/vring-drv-{pid}-*")
+
+
+def _processes_mentioning(text):
+    """pids whose command line contains ``text`` (our children: their socket path is under it)."""
+    out = []
+    for d in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(d + "/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    out.append(int(d[6:]))
+        except OSError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--paths", "split,diagonal"], "unknown path"),
+    (["--pairs", "ours/qemu"], "unknown pair"),
+    (["--pkt-size", "32"], "out of range"),
+    (["--pkt-size", "64,abc"], "not an integer"),
+    (["--burst", "0"], "--burst"),
+    (["--ring-size", "100"], "power of two"),
+    (["--retries", "9"], "retries"),
+    (["--txq-flush", "sometimes"], "txq flush"),
+    (["--seconds", "0"], "--seconds"),
+    (["--repeat", "0"], "--repeat"),
+    (["--interval", "5", "--seconds", "1"], "--interval"),
+    (["--driver", "dpdk", "--pairs", "ours/ours"], "not both"),
+    (["--cpus", "0"], "--cpus"),
+    (["--cpus", "0,4096"], "not one this process may use"),
+    (["--pairs", "ours/dpdk", "--pkt-size", "4000"], "mbufs"),
+    (["--driver", "qemu"], "invalid choice"),
+    (["--seconds", "x"], "invalid float"),
+])
+def test_bad_arguments_exit_2(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(monkeypatch, capsys):
+    import builtins
+    real = builtins.__import__
+
+    def fake(name, *a, **kw):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--plot", "x.png"])
+    assert e.value.code == 2
+    assert "pip install" in capsys.readouterr().err
+
+
+def test_dpdk_pairs_without_testpmd_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(dpdk, "skip_reason", lambda: "dpdk-testpmd not found; apt-get install -y dpdk-dev")
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--vs-dpdk"])
+    assert e.value.code == 2
+    assert "dpdk-testpmd" in capsys.readouterr().err
+
+
+def test_path_and_pair_lists():
+    assert bench.parse_paths("all") == list(bench.PATHS)
+    assert bench.parse_paths("split") == ["split-normal", "split-in-order"]
+    assert bench.parse_paths("in-order,packed") == ["split-in-order", "packed-in-order", "packed-normal"]
+    assert bench.parse_paths("packed_inorder") == ["packed-in-order"]
+    assert bench.parse_pairs("ours,dpdk,ours/dpdk") == ["ours/ours", "dpdk/dpdk", "ours/dpdk"]
+    assert bench.parse_sizes("64, 1500,64") == [64, 1500]
+
+
+def test_table_and_plot_from_a_result(tmp_path):
+    """The table and the plot from a synthetic result (the plot only where matplotlib is installed)."""
+    cfg = bench.BenchConfig(pairs=["ours/ours", "dpdk/dpdk"], paths=["split-normal"], repeat=2)
+
+    def rec(pair, rep, pps, lat):
+        return {"pair": pair, "path": "split-normal", "pkt_size": 64, "repeat": rep,
+                "rate": {"pps_median": pps, "pps_min": pps - 1, "pps_max": pps + 1, "samples_pps": [pps - 1, pps + 1]},
+                "latency": {"p50_us": lat, "p99_us": lat and lat * 2, "p99.9_us": lat and lat * 3,
+                            **({} if lat else {"reason": "no timestamps"})},
+                "notifications": {"kicks_per_packet": 0.1 if lat else None, "calls_per_packet": 0.0 if lat else None},
+                "retries": {"retries": 0 if lat else None}, "drops": {"total": 1},
+                "loss_check": {"ok": True}}
+    runs = [rec("ours/ours", 0, 4_000_000, 10.0), rec("dpdk/dpdk", 0, 8_000_000, None),
+            rec("ours/ours", 1, 6_000_000, 12.0), rec("dpdk/dpdk", 1, 6_000_000, None)]
+    pts = bench.aggregate(cfg, runs)
+    ours = pts[0]
+    assert ours["pps"]["median"] == 5_000_000 and ours["pps"]["min"] == 3_999_999
+    assert ours["vs_dpdk"]["ratio"] == round(5 / 7, 3)
+    assert ours["vs_dpdk"]["per_repeat"] == [0.5, 1.0]
+    assert ours["latency"]["p50_us"] == 11.0
+    assert pts[1]["latency"]["reason"] == "no timestamps" and pts[1]["retries"] is None
+    result = {"points": pts, "config": {"pairs": cfg.pairs, "paths": cfg.paths, "pkt_sizes": [64], "burst": 32,
+                                       "ring_size": 256, "inject": 256}, "errors": []}
+    table = bench.format_table(result)
+    assert "5.000" in table and "0.750" in table and "ok" in table   # vs dpdk: median of the side-by-side ratios
+    pytest.importorskip("matplotlib")
+    bench.plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
