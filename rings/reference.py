@@ -8,6 +8,7 @@ in one thread, and a 2-byte aligned store is a single store.
 """
 import functools
 import struct
+import sys
 from collections import deque
 
 import numpy as np
@@ -24,7 +25,11 @@ from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT
 from . import rawdump as _rawdump
 from .snapshot import device_snapshot, driver_snapshot
 
-_U16 = struct.Struct("<H")
+# Indices and flags are read and written whole: the '<' formats move one byte at a time, so a peer in another
+# process could see half of a publication (e.g. used.idx 0x2aff -> 0x2b00 read as 0x2a00). The native '@'
+# format copies the aligned 16-bit field in one access; the rings are little-endian, as this host must be.
+assert sys.byteorder == "little", "the ring engines support little-endian hosts only"
+_U16 = struct.Struct("@H")
 _DESC = struct.Struct("<QIHH")       # split: addr len flags next (SPLIT-L-03); packed: addr len id flags
 _DESC_BODY = struct.Struct("<QIH")   # packed: addr len id; flags (offset 14) are stored on their own
 _LEN_ID = struct.Struct("<IH")       # packed used descriptor: len, id at offset 8

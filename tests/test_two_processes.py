@@ -25,3 +25,10 @@ def test_million_buffers_two_processes(fmt, in_order):
 def test_odd_sizes_one_process(fmt, in_order):
     size = 4 if fmt == "split" else 7
     assert run_one_process(fmt, size, in_order, 20_000, burst=5)["buffers"] == 20_000
+
+
+@pytest.mark.parametrize("fmt,in_order", VARIANTS)
+def test_reference_model_two_processes(fmt, in_order):
+    """The reference model across processes too: its indices and flags must be published whole (a torn
+    16-bit store once showed the peer a used idx 255 behind, SPLIT-D-17)."""
+    assert run_two_processes(fmt, 256, in_order, 30_000, impl="reference", check=False)["buffers"] == 30_000
