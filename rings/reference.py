@@ -25,11 +25,10 @@ from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT
 from . import rawdump as _rawdump
 from .snapshot import device_snapshot, driver_snapshot
 
-# Indices and flags are read and written whole: the '<' formats move one byte at a time, so a peer in another
-# process could see half of a publication (e.g. used.idx 0x2aff -> 0x2b00 read as 0x2a00). The native '@'
-# format copies the aligned 16-bit field in one access; the rings are little-endian, as this host must be.
+# Indices and flags (the publication points) are read and written as one 16-bit access through a memoryview
+# of format 'H': struct.pack_into first zeroes its target and '<' formats move one byte at a time, so a peer in
+# another process saw idx 0 or half a value. The rings are little-endian, as this host must be.
 assert sys.byteorder == "little", "the ring engines support little-endian hosts only"
-_U16 = struct.Struct("@H")
 _DESC = struct.Struct("<QIHH")       # split: addr len flags next (SPLIT-L-03); packed: addr len id flags
 _DESC_BODY = struct.Struct("<QIH")   # packed: addr len id; flags (offset 14) are stored on their own
 _LEN_ID = struct.Struct("<IH")       # packed used descriptor: len, id at offset 8
@@ -111,11 +110,11 @@ class _Queue:
 
     @staticmethod
     def _get16(view, off):
-        return _U16.unpack_from(view, off)[0]
+        return view.cast("H")[off >> 1]
 
     @staticmethod
     def _put16(view, off, value):
-        _U16.pack_into(view, off, value & 0xFFFF)
+        view.cast("H")[off >> 1] = value & 0xFFFF
 
     # Split: avail = flags, idx, ring[size], used_event; used = flags, idx, ring[size] (id, len), avail_event
     def _used_event_off(self):

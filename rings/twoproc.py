@@ -222,14 +222,12 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
                 raise AccountingError(f"child failed to start: {msg}")
         for c in conns:
             c.send("go")
-        results = []
-        for c in conns:
-            if not c.poll(deadline + 30):
-                raise AccountingError("a child process did not finish")
-            results.append(c.recv())
-        for role, r in zip(("driver", "device"), results):
-            if not r.get("ok"):
-                raise AccountingError(f"{role}: {r.get('error') or 'not every buffer accounted for'} {r}")
+        results = [c.recv() if c.poll(deadline + 30) else dict(ok=False, error="did not finish")
+                   for c in conns]
+        failed = [f"{role}: {r.get('error') or 'not every buffer accounted for'}"
+                  for role, r in zip(("driver", "device"), results) if not r.get("ok")]
+        if failed:
+            raise AccountingError("; ".join(failed))
         drv, dev = results
         dt = max(drv["seconds"], dev["seconds"])
         return dict(buffers=count, seconds=dt, rate=count / dt, kicks=drv["kicks"], calls=dev["calls"])

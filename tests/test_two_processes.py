@@ -29,6 +29,6 @@ def test_odd_sizes_one_process(fmt, in_order):
 
 @pytest.mark.parametrize("fmt,in_order", VARIANTS)
 def test_reference_model_two_processes(fmt, in_order):
-    """The reference model across processes too: its indices and flags must be published whole (a torn
-    16-bit store once showed the peer a used idx 255 behind, SPLIT-D-17)."""
+    """The reference model across processes too: indices and flags must be published in one store
+    (struct.pack_into zeroes its target first, which once showed the peer used.idx 0: SPLIT-D-17)."""
     assert run_two_processes(fmt, 256, in_order, 30_000, impl="reference", check=False)["buffers"] == 30_000
