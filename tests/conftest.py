@@ -4,7 +4,8 @@ import importlib
 
 import pytest
 
-from rings.layout import QueueLayout
+from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, QueueLayout,
+                          bit)
 from rings.shm import MemoryTable, ShmRegion
 
 IMPLEMENTATIONS = {"reference": "rings.reference", "c": "rings.virtq"}
@@ -42,3 +43,18 @@ def mem_factory():
 def make_layout():
     """make_layout(fmt, size, base) -> the contiguous QueueLayout (desc, driver, device areas) at base."""
     return QueueLayout.contiguous
+
+
+V1 = bit(VIRTIO_F_VERSION_1)
+NET_VARIANTS = {
+    "split": V1,
+    "split_in_order": V1 | bit(VIRTIO_F_IN_ORDER),
+    "packed": V1 | bit(VIRTIO_F_RING_PACKED),
+    "packed_in_order": V1 | bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER),
+}
+
+
+@pytest.fixture(params=sorted(NET_VARIANTS))
+def variant(request):
+    """The feature mask of one of the four ring paths (with VERSION_1)."""
+    return NET_VARIANTS[request.param]

@@ -4,24 +4,12 @@ import struct
 
 import pytest
 
-from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF,
-                          bit)
+from conftest import NET_VARIANTS as VARIANTS
+from rings.layout import VIRTIO_NET_F_MRG_RXBUF, bit
 from rings.virtq import DeviceQueue
 from virtio.net import NetQueues
 
-V1 = bit(VIRTIO_F_VERSION_1)
 MRG = bit(VIRTIO_NET_F_MRG_RXBUF)
-VARIANTS = {
-    "split": V1,
-    "split_in_order": V1 | bit(VIRTIO_F_IN_ORDER),
-    "packed": V1 | bit(VIRTIO_F_RING_PACKED),
-    "packed_in_order": V1 | bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER),
-}
-
-
-@pytest.fixture(params=sorted(VARIANTS))
-def variant(request):
-    return VARIANTS[request.param]
 
 
 def make(features, size=64, burst=8, buf_size=2048):

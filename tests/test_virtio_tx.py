@@ -8,23 +8,12 @@ must free more than the burst size, and notifications (one kick per burst at mos
 import numpy as np
 import pytest
 
+from conftest import NET_VARIANTS as VARIANTS, V1
 from rings.layout import (VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED,
-                          VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, bit)
+                          VIRTIO_NET_F_MRG_RXBUF, bit)
 from rings.virtq import DeviceQueue
 from virtio.net import NetQueues, net_hdr_size
 
-V1 = bit(VIRTIO_F_VERSION_1)
-VARIANTS = {
-    "split": V1,
-    "split_in_order": V1 | bit(VIRTIO_F_IN_ORDER),
-    "packed": V1 | bit(VIRTIO_F_RING_PACKED),
-    "packed_in_order": V1 | bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER),
-}
-
-
-@pytest.fixture(params=sorted(VARIANTS))
-def variant(request):
-    return VARIANTS[request.param]
 
 
 def make(features, size=64, batch=False, **kw):
