@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,20 +32,7 @@ PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (Tru
 
 def sample(tp, seconds, period, warmup, alive=lambda: True):
     """Median of RX-packets deltas of net_vhost's port 0 (our clock) and of testpmd's own Rx-pps."""
-    t0 = time.monotonic()
-    prev = tp.stats(0)
-    own, tps = [], []
-    n = max(1, round(seconds / period)) + warmup
-    for k in range(1, n + 1):
-        delay = t0 + k * period - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        if not alive():
-            break
-        cur = tp.stats(0)
-        own.append((cur.rx_packets - prev.rx_packets) / (cur.time - prev.time))
-        tps.append(cur.rx_pps)
-        prev = cur
+    tps, own = tp.sample_rx(max(1, round(seconds / period)) + warmup, period, alive=alive)
     kept, tkept = own[warmup:] or own, tps[warmup:] or tps
     return {"median_pps": round(statistics.median(kept)) if kept else 0,
             "testpmd_median_rx_pps": round(statistics.median(tkept)) if tkept else 0,

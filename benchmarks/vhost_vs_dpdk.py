@@ -21,7 +21,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -33,18 +32,7 @@ PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (Tru
 
 
 def sample(tp, seconds, period, warmup):
-    t0 = time.monotonic()
-    prev = tp.stats(0)
-    pps, own = [], []
-    n = max(1, round(seconds / period))
-    for k in range(1, n + 1):
-        delay = t0 + k * period - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        cur = tp.stats(0)
-        pps.append(cur.rx_pps)
-        own.append((cur.rx_packets - prev.rx_packets) / (cur.time - prev.time))
-        prev = cur
+    pps, own = tp.sample_rx(max(1, round(seconds / period)), period)
     kept, own_kept = pps[warmup:] or pps, own[warmup:] or own
     return {"median_rx_pps": int(statistics.median(kept)), "own_median_rx_pps": int(statistics.median(own_kept)),
             "samples": kept}

@@ -113,12 +113,16 @@ class Server:
         if self.conn is None:
             return
         dev, conn = self.device, self.conn
-        self.conn = self.device = None
         try:
             dev.close()
-            add_stats(self.totals, dev.stats())
+            totals = dict(self.totals)
+            add_stats(totals, dev.stats())
+            self.totals = totals
         except Exception:
             log.exception("while closing the device")
+        # the connection counts as gone only once its counters are in the totals (readers wait on conn)
+        self.device = None
+        self.conn = None
         conn.close()
         log.info("frontend gone (%s); ready for the next one", why)
 

@@ -659,6 +659,25 @@ class Testpmd:
             raise self._error(f"no stats for port {port} in: {out.strip()[-300:]}")
         return parsed[port]
 
+    def sample_rx(self, count: int, period: float = 1.0, port: int = 0, alive=None) -> tuple[list, list]:
+        """``count`` Rx-rate samples of a port, one every ``period`` s (stopping early once ``alive()`` is
+        false): testpmd's own Rx-pps, and RX-packets deltas over our monotonic clock."""
+        t0 = time.monotonic()
+        prev = self.stats(port)  # baseline: also resets testpmd's "since last show" window
+        tp_pps: list[int] = []
+        own_pps: list[float] = []
+        for k in range(1, count + 1):
+            delay = t0 + k * period - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            if alive is not None and not alive():
+                break
+            cur = self.stats(port)
+            tp_pps.append(cur.rx_pps)
+            own_pps.append((cur.rx_packets - prev.rx_packets) / (cur.time - prev.time))
+            prev = cur
+        return tp_pps, own_pps
+
     def fwd_stats(self, timeout: float = 10.0) -> dict[int, FwdStats]:
         """Forward counters since forwarding started (``show fwd stats all``), without stopping."""
         return parse_fwd_stats(self.command("show fwd stats all", timeout))
@@ -831,19 +850,7 @@ def measure_dpdk_pair(
         result["startup_s"] = {"vhost": round(vhost.ready_after or 0, 3), "virtio": round(virtio.ready_after or 0, 3)}
         result["link_up_s"] = round(vhost.wait_link_up(timeout=timeout), 3)
         virtio.start_forwarding()
-        t0 = time.monotonic()
-        prev = virtio.stats(0)  # baseline: also resets testpmd's "since last show" window
-        tp_pps: list[int] = []
-        own_pps: list[float] = []
-        n = max(1, round(seconds / period))
-        for k in range(1, n + 1):
-            delay = t0 + k * period - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            cur = virtio.stats(0)
-            tp_pps.append(cur.rx_pps)
-            own_pps.append((cur.rx_packets - prev.rx_packets) / (cur.time - prev.time))
-            prev = cur
+        tp_pps, own_pps = virtio.sample_rx(max(1, round(seconds / period)), period)
         kept = tp_pps[warmup:] or tp_pps
         own_kept = own_pps[warmup:] or own_pps
         result.update(
