@@ -128,14 +128,8 @@ def _split(f, snap, side):
             stuck = f.still("indices:last_used", "indices:used.idx")
             what = (f"{pending_used} used buffers wait to be reclaimed (used.idx={used_idx}, "
                     f"last_used={ix['last_used']})")
-            if calls_off:
-                how = "NO_INTERRUPT" if not ev else f"used_event={nt['used_event']} far from last_used"
-                f.add("warning" if stuck else "info", "calls_suppressed",
-                      f"driver suppressed used-buffer notifications ({how}) and {what}"
-                      + (f"; none reclaimed for {f.since()}: the driver is not polling" if stuck else ""))
-            elif stuck:
-                f.add("warning", "call_missing", f"{what} for {f.since()} with used-buffer notifications "
-                      f"enabled: the device did not call, the call was lost, or the driver ignores it")
+            how = "NO_INTERRUPT" if not ev else f"used_event={nt['used_event']} far from last_used"
+            _used_waiting(f, what, stuck, calls_off and how)
         waiting = len(_chains(snap, "available"))
         stuck = waiting and not pending_used and f.still("indices:last_used", "indices:used.idx")
     else:
@@ -189,13 +183,7 @@ def _packed(f, snap, side):
         if used:
             stuck = f.still("indices:last_used", "indices:used_wrap")
             what = f"{len(used)} used buffers wait to be reclaimed from slot {ix['last_used']}"
-            if calls_off:
-                f.add("warning" if stuck else "info", "calls_suppressed",
-                      f"driver suppressed used-buffer notifications (driver_event DISABLE) and {what}"
-                      + (f"; none reclaimed for {f.since()}: the driver is not polling" if stuck else ""))
-            elif stuck:
-                f.add("warning", "call_missing", f"{what} for {f.since()} with used-buffer notifications "
-                      f"enabled: the device did not call, the call was lost, or the driver ignores it")
+            _used_waiting(f, what, stuck, calls_off and "driver_event DISABLE")
         waiting = [c for c in snap["chains"] if c["state"] == "available"]
         stuck = not used and f.still("indices:last_used", "indices:used_wrap")
     else:
@@ -243,3 +231,15 @@ def _shadow(f, snap):
         f.add("warning" if stuck else "info", "shadow_unflushed",
               f"{k} completions wait in the device's shadow used array, not flushed"
               + (f" for {f.since()}" if stuck else ""))
+
+
+def _used_waiting(f, what, stuck, suppressed):
+    """Used buffers the driver has not reclaimed: with calls suppressed (``suppressed`` says how) that is
+    the driver's polling to blame; with calls enabled and nothing moving, a call went missing."""
+    if suppressed:
+        f.add("warning" if stuck else "info", "calls_suppressed",
+              f"driver suppressed used-buffer notifications ({suppressed}) and {what}"
+              + (f"; none reclaimed for {f.since()}: the driver is not polling" if stuck else ""))
+    elif stuck:
+        f.add("warning", "call_missing", f"{what} for {f.since()} with used-buffer notifications "
+              f"enabled: the device did not call, the call was lost, or the driver ignores it")
