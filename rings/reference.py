@@ -2,10 +2,12 @@
 
 Written to be read beside the spec: rings/README.md is the contract (the C path, rings.virtq, writes the
 same bytes for the same calls), and the IDs in comments are those of shared/spec/virtio-checklist.md.
-Every access to shared memory is a struct.pack_into/unpack_from on a memoryview of the MemoryTable.
+Every access to shared memory is a struct.pack_into/unpack_from on a memoryview of the MemoryTable; every
+store (and every 16-bit load) goes through _pack/_put16/_get16, which a test can record (``record``).
 The acquire loads and release stores of the contract are plain loads and stores here: the model runs
 in one thread, and a 2-byte aligned store is a single store.
 """
+import ctypes
 import functools
 import struct
 import sys
@@ -33,8 +35,48 @@ _DESC = struct.Struct("<QIHH")       # split: addr len flags next (SPLIT-L-03); 
 _DESC_BODY = struct.Struct("<QIH")   # packed: addr len id; flags (offset 14) are stored on their own
 _LEN_ID = struct.Struct("<IH")       # packed used descriptor: len, id at offset 8
 _USED_ELEM = struct.Struct("<II")    # split used.ring[i]: le32 id, le32 len (SPLIT-L-05)
-_EVENT = struct.Struct("<HH")        # packed event suppression: off_wrap, flags (EVT-19)
 U32_MAX = 0xFFFFFFFF
+
+# Tests: record(fn) has fn(kind, host address, size, value) called for every store to ring memory, every
+# 16-bit load and every point where the C path has a full fence, in program order, with the kinds of
+# csrc/virtq_record.h ('S' plain, 'W' relaxed, 'R' release store, 'L' load, 'F' fence). None: off.
+_record = None
+
+
+def record(fn):
+    global _record
+    _record = fn
+
+
+def _address(view):
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(st):
+    """(offset, size) of each field of a '<'-format struct of Q/I/H fields."""
+    out, off = [], 0
+    for code in st.format[1:]:
+        size = struct.calcsize("<" + code)
+        out.append((off, size))
+        off += size
+    return out
+
+
+def _pack(st, view, off, *values):
+    """A plain store of a struct's fields (recorded field by field, as the C path stores them)."""
+    st.pack_into(view, off, *values)
+    if _record:
+        base = _address(view) + off
+        for (o, size), v in zip(_fields(st), values):
+            _record("S", base + o, size, v)
+
+
+def _fence():
+    """Where the C path has a full fence (a no-op here: the model runs in one thread)."""
+    if _record:
+        _record("F", 0, 0, 0)
+
 
 # Device id_inflight values
 FREE, POLLED, COMPLETED = 0, 1, 2  # COMPLETED: in the shadow used array, not yet flushed
@@ -110,11 +152,21 @@ class _Queue:
 
     @staticmethod
     def _get16(view, off):
-        return view.cast("H")[off >> 1]
+        value = view.cast("H")[off >> 1]
+        if _record:
+            _record("L", _address(view) + off, 2, value)
+        return value
 
     @staticmethod
-    def _put16(view, off, value):
+    def _put16(view, off, value, kind="W"):
         view.cast("H")[off >> 1] = value & 0xFFFF
+        if _record:
+            _record(kind, _address(view) + off, 2, value & 0xFFFF)
+
+    @classmethod
+    def _release16(cls, view, off, value):
+        """A publication point: a release store in the C path."""
+        cls._put16(view, off, value, "R")
 
     # Split: avail = flags, idx, ring[size], used_event; used = flags, idx, ring[size] (id, len), avail_event
     def _used_event_off(self):
@@ -126,11 +178,11 @@ class _Queue:
     def _packed_notify(self, event, new, added, wrap):
         """EVT-21/23: does a packed event suppression structure ask for a notification for the last
         `added` descriptors, ending at position new with wrap counter wrap?"""
-        off_wrap, flags = _EVENT.unpack_from(event, 0)
+        flags = self._get16(event, 2)
         if flags == RING_EVENT_FLAGS_DISABLE:
             return False
         if flags == RING_EVENT_FLAGS_DESC and self.event_idx:
-            return packed_need_event(off_wrap, new, new - added, wrap, self.size)
+            return packed_need_event(self._get16(event, 0), new, new - added, wrap, self.size)
         return True  # ENABLE, DESC without EVENT_IDX, reserved values: notify
 
     def _set_packed_event_flags(self, event, on):
@@ -147,6 +199,8 @@ class DriverQueue(_Queue):
 
     def __init__(self, mem, layout, features, indirect=None):
         super().__init__(mem, layout, features)
+        if not self.packed:
+            self._put16(self.used, 0, 0)  # EVT-10: the driver initialises the used ring's flags
         n = self.size
         self.next_avail = 0   # split: free-running avail idx (u16); packed: next slot
         self.avail_wrap = 1   # packed (PACKED-D-02)
@@ -242,7 +296,7 @@ class DriverQueue(_Queue):
         gpa, max_entries = self.indirect
         off = id * max_entries * 16
         for j, seg in enumerate(segs):
-            _DESC.pack_into(self.tables, off + 16 * j, *entry(j, seg))
+            _pack(_DESC, self.tables, off + 16 * j, *entry(j, seg))
         return gpa + off
 
     # Split
@@ -268,10 +322,10 @@ class DriverQueue(_Queue):
         if needed == 1 and len(segs) > 1:  # indirect: the table chains by next = j + 1 (INORDER-05)
             table = self._table(head, segs, lambda j, s: (s[0], s[1], _chain_flags(j, last, s[2]),
                                                           j + 1 if j < last else 0))
-            _DESC.pack_into(self.desc, 16 * head, table, 16 * len(segs), VIRTQ_DESC_F_INDIRECT, 0)
+            _pack(_DESC, self.desc, 16 * head, table, 16 * len(segs), VIRTQ_DESC_F_INDIRECT, 0)
         else:  # next is the following descriptor taken: free-list order, or x + 1 mod size (INORDER-04)
             for j, (addr, length, write) in enumerate(segs):
-                _DESC.pack_into(self.desc, 16 * idxs[j], addr, length, _chain_flags(j, last, write),
+                _pack(_DESC, self.desc, 16 * idxs[j], addr, length, _chain_flags(j, last, write),
                                 idxs[j + 1] if j < last else 0)
         # SPLIT-D-11/13: the head goes into the next ring entry; idx is published later
         self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)
@@ -299,18 +353,23 @@ class DriverQueue(_Queue):
         else:
             descs = [(addr, length, _chain_flags(j, last, write))
                      for j, (addr, length, write) in enumerate(segs)]
+        head = None
         for addr, length, flags in descs:
             slot = self.next_avail
             # PACKED-D-03/14: AVAIL = wrap, USED = !wrap in every descriptor; id in every one (PACKED-D-13)
             flags |= VIRTQ_DESC_F_AVAIL if self.avail_wrap else VIRTQ_DESC_F_USED
-            _DESC_BODY.pack_into(self.desc, 16 * slot, addr, length, id)
-            if self.head_flags is None:  # exposed by publish, after everything else (PACKED-D-12, MEM-06)
-                self.head_flags = (slot, flags)
+            _pack(_DESC_BODY, self.desc, 16 * slot, addr, length, id)
+            if head is None:
+                head = (slot, flags)
             else:
                 self._put16(self.desc, 16 * slot + 14, flags)
             self.next_avail += 1
             if self.next_avail == self.size:  # PACKED-D-02
                 self.next_avail, self.avail_wrap = 0, self.avail_wrap ^ 1
+        if self.head_flags is None:  # the batch's first head: exposed by publish, after everything (MEM-06)
+            self.head_flags = head
+        else:  # PACKED-D-12: a list's head after the rest of the list
+            self._put16(self.desc, 16 * head[0] + 14, head[1])
         self.kick_added += needed
         return id
 
@@ -322,16 +381,16 @@ class DriverQueue(_Queue):
         if self.packed:
             if self.head_flags is not None:
                 slot, flags = self.head_flags
-                self._put16(self.desc, 16 * slot + 14, flags)
+                self._release16(self.desc, 16 * slot + 14, flags)
                 self.head_flags = None
         elif self.unpublished:
-            self._put16(self.avail, 2, self.next_avail)  # SPLIT-D-12: idx moves by the heads added
+            self._release16(self.avail, 2, self.next_avail)  # SPLIT-D-12: idx moves by the heads added
             self.unpublished = 0
 
     @_work
     def kick_prepare(self):
         """Does the device want an available buffer notification for the buffers since the last call?"""
-        # A full fence belongs here (EVT-25, MEM-03): the suppression is read after the publishing store.
+        _fence()  # EVT-25, MEM-03: the suppression is read after the publishing store
         if self.packed:
             kick = self._packed_notify(self.device_event, self.next_avail, self.kick_added, self.avail_wrap)
         elif self.event_idx:  # EVT-13/14: flags ignored, avail_event decides
@@ -353,6 +412,7 @@ class DriverQueue(_Queue):
                         self.last_used if on else self.last_used + 0x7FFF)
         else:  # EVT-01
             self._put16(self.avail, 0, 0 if on else VIRTQ_AVAIL_F_NO_INTERRUPT)
+        _fence()  # EVT-09/MEM-09: callers re-check the ring after enabling
 
     # --- reclaiming used buffers ---------------------------------------------------------------------
 
@@ -701,7 +761,7 @@ class DeviceQueue(_Queue):
                 # PACKED-V-01/02/11/12: at the next used slot, AVAIL = USED = wrap, WRITE iff data written
                 flags = (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED if self.used_wrap else 0) | \
                         (VIRTQ_DESC_F_WRITE if length else 0)
-                _LEN_ID.pack_into(self.desc, 16 * self.used_idx + 8, length, id)
+                _pack(_LEN_ID, self.desc, 16 * self.used_idx + 8, length, id)
                 if head is None:
                     head = (self.used_idx, flags)
                 else:  # PACKED-V-05: body, then flags
@@ -711,14 +771,14 @@ class DeviceQueue(_Queue):
                 if self.used_idx >= self.size:
                     self.used_idx, self.used_wrap = self.used_idx - self.size, self.used_wrap ^ 1
                 self.call_added += ndesc
-            self._put16(self.desc, 16 * head[0] + 14, head[1])  # PACKED-V-16: the first batch's flags last
+            self._release16(self.desc, 16 * head[0] + 14, head[1])  # PACKED-V-16: the first batch's flags last
         else:
             for batch in self._batches():
                 id, length = batch[-1]  # INORDER-06: the head of the batch's last buffer
                 # INORDER-08: the entry lands at the batch's first slot; INORDER-07: idx moves by the batch
-                _USED_ELEM.pack_into(self.used, 4 + 8 * (self.used_idx % self.size), id, length)
+                _pack(_USED_ELEM, self.used, 4 + 8 * (self.used_idx % self.size), id, length)
                 self.used_idx = (self.used_idx + len(batch)) & 0xFFFF
-            self._put16(self.used, 2, self.used_idx)  # SPLIT-V-08: entries before idx
+            self._release16(self.used, 2, self.used_idx)  # SPLIT-V-08: entries before idx
             self.call_added += len(self.shadow)
         for id, _ in self.shadow:
             self.id_inflight[id] = FREE
@@ -727,7 +787,7 @@ class DeviceQueue(_Queue):
     @_work
     def call_prepare(self):
         """Does the driver want a used buffer notification for what was flushed since the last call?"""
-        # A full fence belongs here (MEM-10): the suppression is read after the publishing store.
+        _fence()  # MEM-10: the suppression is read after the publishing store
         if self.packed:
             call = self._packed_notify(self.driver_event, self.used_idx, self.call_added, self.used_wrap)
         elif self.event_idx:  # EVT-06/07
@@ -749,3 +809,4 @@ class DeviceQueue(_Queue):
                         self.last_avail if on else self.last_avail + 0x7FFF)
         else:  # EVT-15
             self._put16(self.used, 0, 0 if on else VIRTQ_USED_F_NO_NOTIFY)
+        _fence()  # MEM-10: callers re-check the ring after enabling

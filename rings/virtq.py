@@ -145,6 +145,8 @@ class DriverQueue(_Queue):
     def __init__(self, mem, layout, features, indirect=None):
         super().__init__(mem, layout, features, "struct vq_driver *")
         c, n = self.c, layout.size
+        if not layout.packed:
+            c.used.flags = 0  # EVT-10: the driver initialises the used ring's flags
         c.num_free = n
         self.free_next = (np.arange(1, n + 1) % max(n, 1)).astype(np.uint16)
         self.id_token = np.zeros(n, np.uint64)

@@ -108,11 +108,12 @@ def run(cfg: DriverConfig, on_ready=None):
         segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
-                       kickfds=fe.kickfds, callfds=fe.callfds, force_slow=cfg.force_slow)
-        nq.rx.fill()
+                       callfds=fe.callfds, force_slow=cfg.force_slow)
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
         fe.start(nq.mem, nq.layouts())
+        nq.set_kickfds(fe.kickfds)   # created by fe.start (SET_VRING_KICK); no kick before DRIVER_OK (NOTIF-08)
+        nq.rx.fill()
         result.update(features=features, feature_names=feature_names(features), hdr_size=nq.hdr_size,
                       protocol_features=fe.protocol)
         if on_ready:

@@ -285,6 +285,13 @@ class NetQueues:
         self.rx.vq.enable_calls(False)
         self.tx.vq.enable_calls(False)
 
+    def set_kickfds(self, kickfds):
+        """The kick eventfds per queue index, once the transport has created them (the queues notify through
+        them from now on; before, a kick is only counted)."""
+        for q, fd in ((self.rx, kickfds[RXQ]), (self.tx, kickfds[TXQ])):
+            q.kickfd = fd
+            q.c.kickfd = -1 if fd is None else fd
+
     @property
     def hdr_size(self):
         return self.tx.hdr_size

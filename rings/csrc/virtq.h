@@ -47,11 +47,20 @@ enum {
     VQ_USAGE_SHADOW_FULL = 102,
 };
 
+/* Every access to ring memory (rings, descriptor and indirect tables, event fields) goes through one of
+ * these: VQ_STORE a plain store, VQ_SET a relaxed and VQ_RELEASE a release store, VQ_ONCE a relaxed and
+ * VQ_ACQUIRE an acquire load, VQ_FENCE a full fence. The test build (-DVQ_RECORD, csrc/virtq_record.h)
+ * logs each one in program order; the normal build is unchanged by it. */
+#ifdef VQ_RECORD
+#include "virtq_record.h"
+#else
+#define VQ_STORE(x, v) ((x) = (v))
 #define VQ_ONCE(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
 #define VQ_ACQUIRE(x) __atomic_load_n(&(x), __ATOMIC_ACQUIRE)
 #define VQ_RELEASE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
 #define VQ_SET(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELAXED)
 #define VQ_FENCE() __atomic_thread_fence(__ATOMIC_SEQ_CST)
+#endif
 
 static inline int vq_need_event(uint16_t event_idx, uint16_t new_idx, uint16_t old_idx)
 {   /* EVT-18 */
@@ -121,16 +130,16 @@ static inline uint64_t vq_drv_fill_indirect(struct vq_driver *q, uint16_t id, co
     if (q->packed) {
         struct vring_packed_desc *t = (struct vring_packed_desc *)(q->indirect_host + off);
         for (uint32_t j = 0; j < nseg; j++) {
-            t[j].addr = addrs[j]; t[j].len = lens[j]; t[j].id = 0;
-            t[j].flags = j >= nread ? VIRTQ_DESC_F_WRITE : 0;
+            VQ_STORE(t[j].addr, addrs[j]); VQ_STORE(t[j].len, lens[j]); VQ_STORE(t[j].id, 0);
+            VQ_STORE(t[j].flags, j >= nread ? VIRTQ_DESC_F_WRITE : 0);
         }
     } else {
         struct vring_desc *t = (struct vring_desc *)(q->indirect_host + off);
         for (uint32_t j = 0; j < nseg; j++) {
             uint16_t last = j + 1 == nseg;
-            t[j].addr = addrs[j]; t[j].len = lens[j];
-            t[j].flags = (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
-            t[j].next = last ? 0 : (uint16_t)(j + 1);   /* INORDER-05 holds for every table */
+            VQ_STORE(t[j].addr, addrs[j]); VQ_STORE(t[j].len, lens[j]);
+            VQ_STORE(t[j].flags, (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0));
+            VQ_STORE(t[j].next, last ? 0 : (uint16_t)(j + 1));   /* INORDER-05 holds for every table */
         }
     }
     return q->indirect_gpa + off;
@@ -154,8 +163,8 @@ static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, 
     uint16_t head = q->in_order ? q->next_desc : q->free_head;
     if (needed == 1 && nseg > 1) {
         struct vring_desc *d = &q->desc[head];
-        d->addr = vq_drv_fill_indirect(q, head, addrs, lens, nread, nseg);
-        d->len = nseg * 16; d->flags = VIRTQ_DESC_F_INDIRECT; d->next = 0;
+        VQ_STORE(d->addr, vq_drv_fill_indirect(q, head, addrs, lens, nread, nseg));
+        VQ_STORE(d->len, nseg * 16); VQ_STORE(d->flags, VIRTQ_DESC_F_INDIRECT); VQ_STORE(d->next, 0);
         if (q->in_order)
             q->next_desc = (uint16_t)((head + 1) & (size - 1));
         else
@@ -166,9 +175,9 @@ static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, 
             struct vring_desc *d = &q->desc[i];
             uint16_t last = j + 1 == nseg;
             uint16_t nxt = q->in_order ? (uint16_t)((i + 1) & (size - 1)) : q->free_next[i];
-            d->addr = addrs[j]; d->len = lens[j];
-            d->flags = (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
-            d->next = last ? 0 : nxt;   /* INORDER-04: x+1, wrapping to 0 */
+            VQ_STORE(d->addr, addrs[j]); VQ_STORE(d->len, lens[j]);
+            VQ_STORE(d->flags, (last ? 0 : VIRTQ_DESC_F_NEXT) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0));
+            VQ_STORE(d->next, last ? 0 : nxt);   /* INORDER-04: x+1, wrapping to 0 */
             i = nxt;
         }
         if (q->in_order)
@@ -182,44 +191,49 @@ static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, 
     q->id_inflight[head] = 1;
     q->num_free -= needed;
     q->inflight++;
-    q->avail->ring[q->next_avail & (size - 1)] = head;
+    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);
     q->next_avail++;
     q->kick_added++;
     return 0;
 }
 
-/* Packed: one buffer. The very first flags of a publish batch are kept aside (PACKED-D-12). */
+/* Packed: one buffer. Each list's head flags are stored after the rest of the list, and those of the
+ * batch's first list are kept aside for publish (PACKED-D-12, MEM-06). */
 static inline int vq_drv_add1_packed(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
                                      uint32_t nread, uint32_t nseg, uint64_t token)
 {
     uint16_t needed = vq_drv_needed(q, nseg), size = q->size;
     if (needed > q->num_free)
         return 1;
-    uint16_t id = q->in_order ? q->next_avail : q->free_head;
+    uint16_t id = q->in_order ? q->next_avail : q->free_head, head = q->next_avail, head_flags = 0;
     if (!q->in_order)
         q->free_head = q->free_next[id];
     for (uint32_t j = 0; j < needed; j++) {
         struct vring_packed_desc *d = &q->pdesc[q->next_avail];
         uint16_t flags = vq_avail_bits(q->avail_wrap);
         if (needed == 1 && nseg > 1) {
-            d->addr = vq_drv_fill_indirect(q, id, addrs, lens, nread, nseg);
-            d->len = nseg * 16;
+            VQ_STORE(d->addr, vq_drv_fill_indirect(q, id, addrs, lens, nread, nseg));
+            VQ_STORE(d->len, nseg * 16);
             flags |= VIRTQ_DESC_F_INDIRECT;
         } else {
-            d->addr = addrs[j]; d->len = lens[j];
+            VQ_STORE(d->addr, addrs[j]); VQ_STORE(d->len, lens[j]);
             flags |= (j + 1 < needed ? VIRTQ_DESC_F_NEXT : 0) | (j >= nread ? VIRTQ_DESC_F_WRITE : 0);
         }
-        d->id = id;
-        if (q->pending == 0 && j == 0) {
-            q->pending_head = q->next_avail;
-            q->pending_flags = flags;
-        } else {
+        VQ_STORE(d->id, id);
+        if (j == 0)
+            head_flags = flags;
+        else
             VQ_SET(d->flags, flags);
-        }
         if (++q->next_avail == size) {
             q->next_avail = 0;
             q->avail_wrap ^= 1;
         }
+    }
+    if (q->pending == 0) {   /* the batch's first head is exposed by publish (MEM-06) */
+        q->pending_head = head;
+        q->pending_flags = head_flags;
+    } else {                 /* PACKED-D-12: a list's head after the rest of the list */
+        VQ_SET(q->pdesc[head].flags, head_flags);
     }
     q->pending++;
     q->id_ndesc[id] = needed;
@@ -712,8 +726,8 @@ static inline void vq_dev_flush_split(struct vq_device *q)
     for (uint32_t i = 0; i < q->shadow_count;) {
         uint32_t j = vq_dev_batch_end(q, i);
         struct vring_used_elem *e = &q->used->ring[q->used_idx & (size - 1)];   /* INORDER-08 */
-        e->id = q->shadow_id[j];
-        e->len = q->shadow_len[j];
+        VQ_STORE(e->id, q->shadow_id[j]);
+        VQ_STORE(e->len, q->shadow_len[j]);
         for (uint32_t k = i; k <= j; k++)
             vq_dev_retire(q, q->shadow_id[k]);
         q->used_idx += (uint16_t)(j - i + 1);   /* INORDER-07 */
@@ -731,8 +745,8 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
         uint16_t slot = q->used_idx, adv = 0;
         struct vring_packed_desc *d = &q->pdesc[slot];
         uint16_t flags = vq_used_bits(q->used_wrap) | (q->shadow_len[j] ? VIRTQ_DESC_F_WRITE : 0);
-        d->id = (uint16_t)q->shadow_id[j];   /* INORDER-11/13: last id, at the batch's first slot */
-        d->len = q->shadow_len[j];
+        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);   /* INORDER-11/13: last id, at the batch's first slot */
+        VQ_STORE(d->len, q->shadow_len[j]);
         for (uint32_t k = i; k <= j; k++) {
             adv += q->id_ndesc[q->shadow_id[k]];
             vq_dev_retire(q, q->shadow_id[k]);
