@@ -103,9 +103,11 @@ class DriverSide:
             self.next_seq += added
             self.q.publish()
             self.kicks += self.q.kick_prepare()
-        if self.done >= self.count:
-            self.returned[:] = True
         return self.done >= self.count
+
+    def accounted(self):
+        """Distinct buffers returned (None unchecked: nothing was tracked)."""
+        return int(self.returned.sum()) if self.check else None
 
 
 class DeviceSide:
@@ -130,8 +132,6 @@ class DeviceSide:
             self.q.push_used(ch.id, self.zeros[:ch.n])
             self.q.flush()
             self.calls += self.q.call_prepare()
-            if self.done >= self.count:
-                self.seen[:] = True
             return self.done >= self.count
         slots = ((ch.seg_addr[ch.seg_start] - self.base) // SLOT).astype(np.int64)
         seqs = self.s.seq_view[slots].astype(np.int64)
@@ -147,6 +147,10 @@ class DeviceSide:
         self.calls += self.q.call_prepare()
         return self.done >= self.count
 
+    def accounted(self):
+        """Distinct sequence numbers seen (None unchecked: nothing was tracked)."""
+        return int(self.seen.sum()) if self.check else None
+
 
 def _impl(name):
     if name == "reference":
@@ -158,7 +162,8 @@ def _impl(name):
 
 def run_one_process(fmt, size, in_order, count, burst=32, batch=True, impl="c", deadline=120.0,
                     check=True):
-    """Driver and device alternating in this process. Returns a stats dict."""
+    """Driver and device alternating in this process. Returns a stats dict: ``returned`` and ``seen`` are the
+    distinct buffers the driver got back and the device saw (None with check=False, which tracks nothing)."""
     s = Setup(fmt, size, in_order)
     try:
         drv = DriverSide(s, _impl(impl), count, burst, check=check)
@@ -169,9 +174,10 @@ def run_one_process(fmt, size, in_order, count, burst=32, batch=True, impl="c", 
             if time.perf_counter() - t0 > deadline:
                 raise AccountingError(f"stalled: {drv.done}/{count} returned after {deadline}s")
         dt = time.perf_counter() - t0
-        if not (drv.returned.all() and dev.seen.all()):
+        if check and not (drv.returned.all() and dev.seen.all()):
             raise AccountingError("some buffers were never seen or never returned")
-        return dict(buffers=count, seconds=dt, rate=count / dt, kicks=drv.kicks, calls=dev.calls)
+        return dict(buffers=count, returned=drv.accounted(), seen=dev.accounted(), seconds=dt, rate=count / dt,
+                    kicks=drv.kicks, calls=dev.calls)
     finally:
         drv = dev = None
         s.close()
@@ -191,8 +197,9 @@ def _child(role, params, impl, count, burst, batch, deadline, cpu, check, conn):
             if time.perf_counter() - t0 > deadline:
                 raise AccountingError(f"{role} stalled at {side.done}/{count} after {deadline}s")
         dt = time.perf_counter() - t0
-        complete = side.returned.all() if role == "driver" else side.seen.all()
-        conn.send(dict(ok=bool(complete), done=side.done, seconds=dt,
+        accounted = side.accounted()
+        complete = side.done >= count if accounted is None else accounted == count
+        conn.send(dict(ok=bool(complete), done=side.done, accounted=accounted, seconds=dt,
                        kicks=getattr(side, "kicks", 0), calls=getattr(side, "calls", 0)))
     except BaseException as e:  # report to the parent whatever happened
         conn.send(dict(ok=False, error=f"{type(e).__name__}: {e}"))
@@ -200,7 +207,8 @@ def _child(role, params, impl, count, burst, batch, deadline, cpu, check, conn):
 
 def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c", deadline=120.0,
                       cpus=None, check=True):
-    """A driver process and a device process over one shared region. Returns a stats dict."""
+    """A driver process and a device process over one shared region. Returns a stats dict (as
+    run_one_process's: ``returned`` and ``seen`` counted by each process)."""
     ctx = mp.get_context("spawn")
     s = Setup(fmt, size, in_order)
     procs, conns = [], []
@@ -230,7 +238,8 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
             raise AccountingError("; ".join(failed))
         drv, dev = results
         dt = max(drv["seconds"], dev["seconds"])
-        return dict(buffers=count, seconds=dt, rate=count / dt, kicks=drv["kicks"], calls=dev["calls"])
+        return dict(buffers=count, returned=drv["accounted"], seen=dev["accounted"], seconds=dt, rate=count / dt,
+                    kicks=drv["kicks"], calls=dev["calls"])
     finally:
         for p in procs:
             p.join(5)

@@ -2,7 +2,7 @@
 
 Each test arranges ring memory the way a buggy or hostile peer would, then checks: the typed error,
 the sticky broken state (the next call raises the same object), and that nothing else was touched.
-Checklist IDs: SPLIT-V-13/14, SPLIT-D-02/04/05/07/08/09/17, PACKED-D-09/18/20/23, PACKED-V-10, FEAT-07.
+Checklist IDs: SPLIT-V-13/14, SPLIT-D-02/04/05/07/08/09/17, PACKED-D-09/18/20/23/24, PACKED-V-10, FEAT-07.
 """
 import importlib
 
@@ -200,11 +200,19 @@ def test_address_wrapping_2_64(impl):
 
 # ---- packed device side ------------------------------------------------------------------------
 
-def test_packed_id_out_of_range(impl):
-    """PACKED-D-23 / PACKED-V-10: the id of the last descriptor must be < size."""
+def test_packed_v_10_packed_d_23_id_out_of_range_in_the_last_descriptor(impl):
+    """PACKED-D-23 / PACKED-V-10: the id is the last descriptor's: out of range there breaks the queue, while
+    an out-of-range id in a non-last descriptor is none of the device's business."""
     r = Ring(impl, "packed")
-    r.add_one()
-    r.desc[0]["id"] = SIZE
+    assert r.drv.add([DATA, DATA + 64, DATA + 128], [64, 64, 64], [3], [0], [1]) == 1   # slots 0-2
+    r.desc[0]["id"] = r.desc[1]["id"] = SIZE + 5   # garbage in the non-last ones
+    r.drv.publish()
+    ch = r.dev.poll()
+    assert ch.n == 1 and ch.id[0] == r.desc[2]["id"] and ch.ndesc[0] == 3
+    r = Ring(impl, "packed")
+    assert r.drv.add([DATA, DATA + 64, DATA + 128], [64, 64, 64], [3], [0], [1]) == 1
+    r.desc[2]["id"] = SIZE   # the last one
+    r.drv.publish()
     expect_device_error(r, errors.PackedIdOutOfRange)
 
 
@@ -276,10 +284,17 @@ def test_packed_used_id_out_of_range(impl):
     expect_driver_error(r, errors.PackedIdOutOfRange)
 
 
-def test_stale_packed_slot_is_not_used(impl):
-    """PACKED-D-24: a zero ring, or AVAIL != USED, is never taken as used."""
+def test_packed_d_24_used_flags_of_the_wrong_lap_are_not_a_completion(impl):
+    """PACKED-D-24: a device that writes a used descriptor with the other lap's flags (AVAIL = USED = 0 while
+    the driver's used wrap counter is 1, as a zeroed slot also reads) completes nothing; a naive AVAIL == USED
+    check would return the buffer. The same slot with AVAIL = USED = 1 is the completion."""
     r = Ring(impl, "packed")
     r.add_one()
-    r.desc[0]["flags"] = VIRTQ_DESC_F_USED  # AVAIL=0, USED=1: not used with wrap 1
+    ch = r.dev.poll()
+    assert ch.n == 1
+    r.desc[0]["len"], r.desc[0]["flags"] = 0, 0   # "used" in the wrong lap
     tokens, _ = r.drv.reclaim()
     assert len(tokens) == 0 and r.drv.broken is None
+    r.desc[0]["flags"] = VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED
+    tokens, _ = r.drv.reclaim()
+    assert tokens.tolist() == [0]

@@ -164,7 +164,7 @@ def test_in_order_batches_over_three_laps(impl, mem_factory, make_layout, fmt, s
 
 
 @pytest.mark.parametrize("fmt,size", [("split", 8), ("packed", 7)])
-def test_in_order_partial_buffer_ends_a_batch(impl, mem_factory, make_layout, fmt, size):
+def test_inorder_10_partial_buffer_ends_a_batch(impl, mem_factory, make_layout, fmt, size):
     """INORDER-10 (device): a buffer not written completely closes its batch; the next starts after it."""
     rng = np.random.default_rng(7)
     r = make_rings(impl, mem_factory, make_layout, fmt, size, VIRTIO_F_IN_ORDER, batch=True)

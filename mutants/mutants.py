@@ -1,0 +1,253 @@
+"""Named mutants of spec rules, each applied to both implementations at once: the C engine (rings/csrc/virtq.h,
+or rings/virtq.py where the rule lives in its Python half) and the reference model (rings/reference.py, or
+rings/layout.py which it uses). An edit is (file, exact snippet, replacement); the snippet must occur exactly
+once, or run.py stops: a mutant must never turn silently into a no-op when the files change.
+
+``ids``: the checklist IDs of the rule broken; a mutant counts as killed only if a test whose name carries one
+of them fails.
+"""
+from typing import NamedTuple
+
+H = "rings/csrc/virtq.h"
+PY = "rings/virtq.py"
+REF = "rings/reference.py"
+LAYOUT = "rings/layout.py"
+
+
+class Mutant(NamedTuple):
+    name: str
+    ids: tuple
+    what: str
+    edits: tuple   # (file, snippet, replacement)
+
+
+MUTANTS = [
+    # ---- split driver ----------------------------------------------------------------------------
+    Mutant("split_d_02_writable_segments_first", ("SPLIT-D-02",),
+           "the driver lays writable segments out before the readable ones",
+           ((H, "(j >= nread ? VIRTQ_DESC_F_WRITE : 0));\n            VQ_STORE(d->next, last ? 0 : nxt);",
+             "(j < nseg - nread ? VIRTQ_DESC_F_WRITE : 0));\n            VQ_STORE(d->next, last ? 0 : nxt);"),
+            (REF, "_pack(_DESC, self.desc, 16 * idxs[j], addr, length, _chain_flags(j, last, write),",
+             "_pack(_DESC, self.desc, 16 * idxs[j], addr, length,\n"
+             "                      _chain_flags(j, last, j < len(segs) - sum(not s[2] for s in segs)),"))),
+    Mutant("split_d_04_2_32_bytes_accepted", ("SPLIT-D-04",),
+           "a buffer of 2^32 bytes or more is put in the ring",
+           ((PY, "if (np.bincount(per_buf[part], lens[part], len(nseg)) > 0xFFFFFFFF).any():", "if False:"),
+            (REF, "            if rlen > U32_MAX or wlen > U32_MAX:\n                raise ConfigError(f\"a buffer of",
+             "            if False:\n                raise ConfigError(f\"a buffer of"))),
+    Mutant("split_d_05_chain_longer_than_queue", ("SPLIT-D-05", "PACKED-D-09"),
+           "a direct chain longer than the queue is not refused",
+           ((PY, "        if (direct > self.size).any():", "        if False:"),
+            (REF, "        if nseg > self.size:", "        if False:"))),
+    Mutant("split_d_06_indirect_without_feature", ("SPLIT-D-06",),
+           "indirect tables are used whenever an area is given, negotiated or not",
+           ((PY, "if indirect is not None and has(features, VIRTIO_F_INDIRECT_DESC):", "if indirect is not None:"),
+            (REF, "if indirect is not None and has(self.features, VIRTIO_F_INDIRECT_DESC):",
+             "if indirect is not None:"))),
+    Mutant("split_d_15_used_len_ignored", ("SPLIT-D-15",),
+           "the driver reports the buffer's writable size instead of the used len",
+           ((H, "tokens[n] = q->id_token[id]; lens[n] = len; n++;\n            vq_drv_free_split(q, id);",
+             "tokens[n] = q->id_token[id]; lens[n] = q->id_wlen[id]; n++;\n            vq_drv_free_split(q, id);"),
+            (H, "tokens[n] = q->id_token[id]; lens[n] = len; n++;\n            q->free_next[id] = q->free_head;",
+             "tokens[n] = q->id_token[id]; lens[n] = q->id_wlen[id]; n++;\n"
+             "            q->free_next[id] = q->free_head;"),
+            (REF, "lens.append(length if k == len(batch) - 1 else self.id_wlen[id])",
+             "lens.append(self.id_wlen[id])"))),
+    Mutant("evt_10_used_flags_not_initialised", ("EVT-10",),
+           "the driver leaves used.flags as it found the memory",
+           ((PY, "c.used.flags = 0  # EVT-10", "pass  # EVT-10"),
+            (REF, "self._put16(self.used, 0, 0)  # EVT-10", "pass  # EVT-10"))),
+    Mutant("inorder_04_next_not_wrapped", ("INORDER-04",),
+           "IN_ORDER: the last descriptor of the table chains to QS instead of 0",
+           ((H, "VQ_STORE(d->next, last ? 0 : nxt);",
+             "VQ_STORE(d->next, last ? 0 : (q->in_order ? (uint16_t)(i + 1) : nxt));"),
+            (REF, "                                idxs[j + 1] if j < last else 0)",
+             "                                (idxs[j] + 1 if self.in_order else idxs[j + 1]) if j < last else 0)"))),
+    Mutant("inorder_05_table_not_sequential", ("INORDER-05",),
+           "indirect table entries chain to the last entry instead of the next one",
+           ((H, "VQ_STORE(t[j].next, last ? 0 : (uint16_t)(j + 1));",
+             "VQ_STORE(t[j].next, last ? 0 : (uint16_t)(nseg - 1));"),
+            (REF, "                                                          j + 1 if j < last else 0))",
+             "                                                          last if j < last else 0))"))),
+    # ---- memory order, driver --------------------------------------------------------------------
+    Mutant("mem_02_avail_idx_before_ring_entry", ("MEM-02", "SPLIT-D-18"),
+           "avail.idx is published before the ring entry of the head it covers",
+           ((H, "    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);",
+             "    VQ_RELEASE(q->avail->idx, (uint16_t)(q->next_avail + 1));\n"
+             "    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);"),
+            (REF, "        self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)",
+             "        self._release16(self.avail, 2, (self.next_avail + 1) & 0xFFFF)\n"
+             "        self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)"))),
+    Mutant("mem_02_avail_idx_relaxed_store", ("MEM-02",),
+           "avail.idx is published with a relaxed store (no release barrier)",
+           ((H, "        VQ_RELEASE(q->avail->idx, q->next_avail);", "        VQ_SET(q->avail->idx, q->next_avail);"),
+            (REF, "self._release16(self.avail, 2, self.next_avail)  # SPLIT-D-12",
+             "self._put16(self.avail, 2, self.next_avail)  # SPLIT-D-12"))),
+    Mutant("evt_25_no_fence_before_reading_device_event", ("EVT-25", "MEM-03", "MEM-05"),
+           "the driver reads the device's suppression fields without a fence after publishing",
+           ((H, "    VQ_FENCE();   /* MEM-03 / EVT-25: publish before reading the device's suppression fields */\n", ""),
+            (REF, "        _fence()  # EVT-25, MEM-03: the suppression is read after the publishing store\n", ""))),
+    Mutant("packed_d_12_head_available_first", ("PACKED-D-12", "MEM-06"),
+           "a packed list's head flags are stored with its body, before the rest of the list",
+           ((H, "        if (j == 0)\n            head_flags = flags;\n        else\n            VQ_SET(d->flags, flags);",
+             "        if (j == 0)\n            head_flags = flags;\n        VQ_SET(d->flags, flags);"),
+            (REF, "            if head is None:\n                head = (slot, flags)\n            else:\n"
+                  "                self._put16(self.desc, 16 * slot + 14, flags)",
+             "            if head is None:\n                head = (slot, flags)\n"
+             "            self._put16(self.desc, 16 * slot + 14, flags)"))),
+    Mutant("packed_d_22_flags_before_id", ("PACKED-D-22", "MEM-04"),
+           "a packed descriptor's id is stored after its flags",
+           ((H, "        VQ_STORE(d->id, id);\n        if (j == 0)", "        if (j == 0)"),
+            (H, "            VQ_SET(d->flags, flags);\n        if (++q->next_avail == size) {",
+             "            VQ_SET(d->flags, flags);\n        VQ_STORE(d->id, id);\n        if (++q->next_avail == size) {"),
+            (REF, "            _pack(_DESC_BODY, self.desc, 16 * slot, addr, length, id)\n            if head is None:",
+             "            if head is None:"),
+            (REF, "                self._put16(self.desc, 16 * slot + 14, flags)\n            self.next_avail += 1",
+             "                self._put16(self.desc, 16 * slot + 14, flags)\n"
+             "            _pack(_DESC_BODY, self.desc, 16 * slot, addr, length, id)\n            self.next_avail += 1"))),
+    Mutant("packed_d_11_partial_list", ("PACKED-D-11",),
+           "a packed list is started with too few free descriptors for all of it",
+           ((H, "    if (needed > q->num_free)\n        return 1;\n    uint16_t id = q->in_order ? q->next_avail : "
+                 "q->free_head, head",
+             "    if (q->num_free == 0)\n        return 1;\n    uint16_t id = q->in_order ? q->next_avail : "
+             "q->free_head, head"),
+            (REF, "            if needed > self.num_free:  # all or nothing", "            if self.num_free == 0:  #"))),
+    Mutant("packed_d_04_descriptors_reused_early", ("PACKED-D-04", "PACKED-D-05"),
+           "reclaim gives back one descriptor too many, so the driver rewrites one the device owns",
+           ((H, "            q->num_free += q->id_ndesc[id];\n            q->inflight--;\n"
+                 "            vq_drv_advance_used_packed",
+             "            q->num_free += q->id_ndesc[id] + 1;\n            q->inflight--;\n"
+             "            vq_drv_advance_used_packed"),
+            (REF, "            self.num_free += self.id_ndesc[id]\n", "            self.num_free += self.id_ndesc[id] + 1\n"))),
+    Mutant("packed_d_24_used_check_ignores_wrap", ("PACKED-D-24",),
+           "the driver takes a slot as used when AVAIL == USED, whatever its wrap counter",
+           ((H, "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) != w)",
+             "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != !!(flags & VIRTQ_DESC_F_USED))"),
+            (REF, "            if bool(flags & VIRTQ_DESC_F_AVAIL) != w or bool(flags & VIRTQ_DESC_F_USED) != w:",
+             "            if bool(flags & VIRTQ_DESC_F_AVAIL) != bool(flags & VIRTQ_DESC_F_USED):"))),
+    # ---- notifications, driver -------------------------------------------------------------------
+    Mutant("evt_02_avail_flags_set_with_event_idx", ("EVT-02",),
+           "with EVENT_IDX the driver still sets avail.flags to suppress calls",
+           ((H, "        VQ_SET(q->avail->flags, 0);", "        VQ_SET(q->avail->flags, on ? 0 : VIRTQ_AVAIL_F_NO_INTERRUPT);"),
+            (REF, "            self._put16(self.avail, 0, 0)\n            self._put16(self.avail, self._used_event_off(),",
+             "            self._put16(self.avail, 0, 0 if on else VIRTQ_AVAIL_F_NO_INTERRUPT)\n"
+             "            self._put16(self.avail, self._used_event_off(),"))),
+    Mutant("evt_11_avail_event_used_without_event_idx", ("EVT-11",),
+           "without EVENT_IDX the driver decides kicks by avail_event",
+           ((H, "    } else if (q->event_idx) {   /* EVT-13/14 */", "    } else if (1) {   /* EVT-13/14 */"),
+            (REF, "        elif self.event_idx:  # EVT-13/14", "        elif True:  # EVT-13/14"))),
+    Mutant("evt_12_no_kick_when_flags_0", ("EVT-12",),
+           "without EVENT_IDX the driver never kicks, even when used.flags is 0",
+           ((H, "        need = !(VQ_ONCE(q->used->flags) & VIRTQ_USED_F_NO_NOTIFY);", "        need = 0;"),
+            (REF, "            kick = not self._get16(self.used, 0) & VIRTQ_USED_F_NO_NOTIFY", "            kick = False"))),
+    Mutant("evt_13_flags_bit_honoured_with_event_idx", ("EVT-13",),
+           "with EVENT_IDX the driver skips the kick when used.flags bit 0 is set",
+           ((H, "    } else if (q->event_idx) {   /* EVT-13/14 */",
+             "    } else if (q->event_idx && !(VQ_ONCE(q->used->flags) & VIRTQ_USED_F_NO_NOTIFY)) {   /* EVT-13/14 */"),
+            (REF, "        elif self.event_idx:  # EVT-13/14",
+             "        elif self.event_idx and not self._get16(self.used, 0) & VIRTQ_USED_F_NO_NOTIFY:  # EVT-13/14"))),
+    Mutant("evt_07_evt_14_need_event_off_by_one", ("EVT-07", "EVT-14"),
+           "vring_need_event without the -1: notifies one index late",
+           ((H, "    return (uint16_t)(new_idx - event_idx - 1) < (uint16_t)(new_idx - old_idx);",
+             "    return (uint16_t)(new_idx - event_idx) < (uint16_t)(new_idx - old_idx);"),
+            (LAYOUT, "    return ((new_idx - event_idx - 1) & 0xFFFF) < ((new_idx - old_idx) & 0xFFFF)",
+             "    return ((new_idx - event_idx) & 0xFFFF) < ((new_idx - old_idx) & 0xFFFF)"))),
+    # ---- split device ----------------------------------------------------------------------------
+    Mutant("split_v_04_device_writes_descriptor", ("SPLIT-V-04",),
+           "the device clears the len of each descriptor it has read",
+           ((H, "        d.next = VQ_ONCE(table[i].next);\n",
+             "        d.next = VQ_ONCE(table[i].next);\n        VQ_STORE(((struct vring_desc *)table)[i].len, 0);\n"),
+            (REF, "            addr, length, flags, nxt = _DESC.unpack_from(table, 16 * i)  # copied out, then checked\n",
+             "            addr, length, flags, nxt = _DESC.unpack_from(table, 16 * i)  # copied out, then checked\n"
+             "            _pack(_DESC, table, 16 * i, addr, 0, flags, nxt)\n"))),
+    Mutant("split_v_05_write_on_indirect_refused", ("SPLIT-V-05",),
+           "the device refuses INDIRECT|WRITE instead of ignoring WRITE",
+           ((H, "            if (d.flags & VIRTQ_DESC_F_NEXT)\n                return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, head, i);",
+             "            if (d.flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE))\n"
+             "                return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, head, i);"),
+            (REF, "                if flags & VIRTQ_DESC_F_NEXT:  # SPLIT-D-08",
+             "                if flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE):  # SPLIT-D-08"))),
+    Mutant("split_v_06_chain_then_indirect_refused", ("SPLIT-V-06",),
+           "the device refuses an indirect descriptor at the end of a chain (the packed rule, applied to split)",
+           ((H, "            if (in_indirect)\n                return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);",
+             "            if (in_indirect || ring_descs > 1)\n                return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);"),
+            (REF, "                if in_table:  # SPLIT-D-07", "                if in_table or ndesc > 1:  # SPLIT-D-07"))),
+    Mutant("split_v_08_used_idx_before_elements", ("SPLIT-V-08", "MEM-07"),
+           "used.idx is published before the used elements are written",
+           ((H, "    uint16_t size = q->size;\n    for (uint32_t i = 0; i < q->shadow_count;) {\n"
+                 "        uint32_t j = vq_dev_batch_end(q, i);\n        struct vring_used_elem",
+             "    uint16_t size = q->size;\n    VQ_RELEASE(q->used->idx, (uint16_t)(q->used_idx + q->shadow_count));\n"
+             "    for (uint32_t i = 0; i < q->shadow_count;) {\n"
+             "        uint32_t j = vq_dev_batch_end(q, i);\n        struct vring_used_elem"),
+            (REF, "            for batch in self._batches():\n                id, length = batch[-1]  # INORDER-06",
+             "            self._release16(self.used, 2, (self.used_idx + len(self.shadow)) & 0xFFFF)\n"
+             "            for batch in self._batches():\n                id, length = batch[-1]  # INORDER-06"))),
+    # ---- notifications, device -------------------------------------------------------------------
+    Mutant("evt_04_used_event_without_event_idx", ("EVT-04",),
+           "without EVENT_IDX the device decides calls by used_event",
+           ((H, "    } else if (q->event_idx) {   /* EVT-06/07 */", "    } else if (1) {   /* EVT-06/07 */"),
+            (REF, "        elif self.event_idx:  # EVT-06/07", "        elif True:  # EVT-06/07"))),
+    Mutant("evt_05_no_call_when_flags_0", ("EVT-05",),
+           "without EVENT_IDX the device never calls, even when avail.flags is 0",
+           ((H, "        need = !(VQ_ONCE(q->avail->flags) & VIRTQ_AVAIL_F_NO_INTERRUPT);", "        need = 0;"),
+            (REF, "            call = not self._get16(self.avail, 0) & VIRTQ_AVAIL_F_NO_INTERRUPT", "            call = False"))),
+    Mutant("evt_06_flags_bit_honoured_with_event_idx", ("EVT-06",),
+           "with EVENT_IDX the device skips the call when avail.flags bit 0 is set",
+           ((H, "    } else if (q->event_idx) {   /* EVT-06/07 */",
+             "    } else if (q->event_idx && !(VQ_ONCE(q->avail->flags) & VIRTQ_AVAIL_F_NO_INTERRUPT)) {   /* EVT-06/07 */"),
+            (REF, "        elif self.event_idx:  # EVT-06/07",
+             "        elif self.event_idx and not self._get16(self.avail, 0) & VIRTQ_AVAIL_F_NO_INTERRUPT:  # EVT-06/07"))),
+    Mutant("evt_16_used_flags_set_with_event_idx", ("EVT-16",),
+           "with EVENT_IDX the device still sets used.flags to suppress kicks",
+           ((H, "        VQ_SET(q->used->flags, 0);", "        VQ_SET(q->used->flags, on ? 0 : VIRTQ_USED_F_NO_NOTIFY);"),
+            (REF, "            self._put16(self.used, 0, 0)\n            self._put16(self.used, self._avail_event_off(),",
+             "            self._put16(self.used, 0, 0 if on else VIRTQ_USED_F_NO_NOTIFY)\n"
+             "            self._put16(self.used, self._avail_event_off(),"))),
+    Mutant("mem_10_no_fence_before_reading_driver_event", ("MEM-10",),
+           "the device reads the driver's suppression fields without a fence after publishing",
+           ((H, "    VQ_FENCE();   /* MEM-10: publish used before reading the driver's suppression fields */\n", ""),
+            (REF, "        _fence()  # MEM-10: the suppression is read after the publishing store\n", ""))),
+    # ---- packed device ---------------------------------------------------------------------------
+    Mutant("packed_v_04_avail_check_ignores_wrap", ("PACKED-V-04",),
+           "the device takes a slot as available when AVAIL != USED, whatever its wrap counter",
+           ((H, "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) == w)",
+             "        if (!!(flags & VIRTQ_DESC_F_AVAIL) == !!(flags & VIRTQ_DESC_F_USED))"),
+            (REF, "        if bool(flags & VIRTQ_DESC_F_AVAIL) != wrap or bool(flags & VIRTQ_DESC_F_USED) == wrap:",
+             "        if bool(flags & VIRTQ_DESC_F_AVAIL) == bool(flags & VIRTQ_DESC_F_USED):"))),
+    Mutant("packed_v_05_used_flags_before_body", ("PACKED-V-05", "MEM-07"),
+           "a used descriptor's id and len are stored after its flags",
+           ((H, "        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);   /* INORDER-11/13: last id, at the batch's "
+                 "first slot */\n        VQ_STORE(d->len, q->shadow_len[j]);\n", ""),
+            (H, "            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n",
+             "            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n"
+             "        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);\n        VQ_STORE(d->len, q->shadow_len[j]);\n"),
+            (REF, "                _pack(_LEN_ID, self.desc, 16 * self.used_idx + 8, length, id)\n", ""),
+            (REF, "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)\n",
+             "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)\n"
+             "                _pack(_LEN_ID, self.desc, 16 * self.used_idx + 8, length, id)\n"))),
+    Mutant("packed_v_16_first_used_flags_early", ("PACKED-V-16", "PACKED-V-05"),
+           "the first used descriptor's flags are stored in turn (and again at the end), not last",
+           ((H, "        if (i == 0)\n            first_flags = flags;\n        else\n            VQ_SET(d->flags, flags);",
+             "        if (i == 0)\n            first_flags = flags;\n        VQ_SET(d->flags, flags);"),
+            (REF, "                else:  # PACKED-V-05: body, then flags\n"
+                  "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)",
+             "                self._put16(self.desc, 16 * self.used_idx + 14, flags)"))),
+    Mutant("packed_v_10_id_from_first_descriptor", ("PACKED-V-10",),
+           "the device returns the buffer id of a list's first descriptor",
+           ((H, "        id = d.id;\n", "        if (ndesc == 1)\n            id = d.id;\n"),
+            (REF, "            addr, length, id, flags = _DESC.unpack_from(self.desc, 16 * slot)  # copied out, then checked\n",
+             "            addr, length, id_, flags = _DESC.unpack_from(self.desc, 16 * slot)\n"
+             "            id = id_ if ndesc == 1 else id\n"))),
+    # ---- IN_ORDER device -------------------------------------------------------------------------
+    Mutant("inorder_02_order_check_removed", ("INORDER-02",),
+           "IN_ORDER: push_used accepts completions out of avail order",
+           ((H, "            if (q->fifo_count == 0 || q->fifo[q->fifo_head] != id)\n"
+                 "                return VQ_USAGE_OUT_OF_ORDER;\n", ""),
+            (REF, "            if self.in_order and self.fifo[k] != id:  # INORDER-02",
+             "            if False:  # INORDER-02"))),
+    Mutant("inorder_10_partial_buffer_skipped", ("INORDER-10", "SPLIT-V-09"),
+           "IN_ORDER batching skips over a buffer that was not written completely",
+           ((H, "    while (i + 1 < q->shadow_count && q->shadow_len[i] == q->id_wlen[q->shadow_id[i]])",
+             "    while (i + 1 < q->shadow_count)"),
+            (REF, "            if length != self.id_wlen[id]:", "            if False:"))),
+]
