@@ -118,7 +118,8 @@ MUTANTS = [
                  "            vq_drv_advance_used_packed",
              "            q->num_free += q->id_ndesc[id] + 1;\n            q->inflight--;\n"
              "            vq_drv_advance_used_packed"),
-            (REF, "            self.num_free += self.id_ndesc[id]\n", "            self.num_free += self.id_ndesc[id] + 1\n"))),
+            (REF, "            self.num_free += self.id_ndesc[id]\n",
+             "            self.num_free += self.id_ndesc[id] + (self.packed and not self.in_order)\n"))),
     Mutant("packed_d_24_used_check_ignores_wrap", ("PACKED-D-24",),
            "the driver takes a slot as used when AVAIL == USED, whatever its wrap counter",
            ((H, "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) != w)",

@@ -31,7 +31,8 @@ from mutants import MUTANTS  # noqa: E402
 from idmap import ids_in_name  # noqa: E402
 
 SUITE = "tests/conformance"
-TIMEOUT = 600
+TIMEOUT = 600        # a build
+SUITE_TIMEOUT = 180  # one run of the suite (about 10 s unmutated): longer means a mutant made it hang
 
 
 class SnippetError(Exception):
@@ -97,9 +98,12 @@ def build_all(root):
 def run_suite(root):
     """(failed test names, summary line) of one pytest run of the conformance suite under root."""
     xml = os.path.join(root, "junit.xml")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                        f"--junitxml={xml}", SUITE], cwd=root, env=env_for(root), capture_output=True, text=True,
-                       timeout=TIMEOUT)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                            f"--junitxml={xml}", SUITE], cwd=root, env=env_for(root), capture_output=True,
+                           text=True, timeout=SUITE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {SUITE_TIMEOUT} s", None
     failed = set()
     if os.path.exists(xml):
         for case in ET.parse(xml).getroot().iter("testcase"):
@@ -118,9 +122,11 @@ def run_mutant(mutant, base, workdir):
     if not ok:
         return dict(name=mutant.name, ids=list(mutant.ids), what=mutant.what, killed_by=[], aimed=[],
                     status="build failed", detail=log[-2000:], seconds=round(time.monotonic() - t0, 1))
-    failed, summary, _ = run_suite(root)
+    failed, summary, rc = run_suite(root)
     aimed = [t for t in failed if set(ids_in_name(t)) & set(mutant.ids)]
     status = "killed" if aimed else ("killed, not by an aimed test" if failed else "SURVIVED")
+    if rc is None:
+        status = "hung (not a deterministic kill)"
     shutil.rmtree(root, ignore_errors=True)
     return dict(name=mutant.name, ids=list(mutant.ids), what=mutant.what, killed_by=failed, aimed=aimed,
                 status=status, summary=summary, seconds=round(time.monotonic() - t0, 1))
