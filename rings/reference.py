@@ -326,7 +326,7 @@ class DriverQueue(_Queue):
         else:  # next is the following descriptor taken: free-list order, or x + 1 mod size (INORDER-04)
             for j, (addr, length, write) in enumerate(segs):
                 _pack(_DESC, self.desc, 16 * idxs[j], addr, length, _chain_flags(j, last, write),
-                                idxs[j + 1] if j < last else 0)
+                      idxs[j + 1] if j < last else 0)
         # SPLIT-D-11/13: the head goes into the next ring entry; idx is published later
         self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)
         self.next_avail = (self.next_avail + 1) & 0xFFFF

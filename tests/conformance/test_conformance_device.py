@@ -136,8 +136,8 @@ def test_split_v_02_split_v_04_packed_v_03_device_writes_only_used_entries(rec):
             assert changed <= {(a.gpa - desc_gpa) // 16 for a in stores if a.within(desc_gpa, desc_len)}
 
 
-def _written_bytes(wlen, n):
-    return bytes((7 * k + 3) & 0xFF or 1 for k in range(n)) + bytes(wlen - n)
+def _pattern(n):
+    return bytes((7 * k + 3) & 0xFF or 1 for k in range(n))
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["per_buffer", "in_order_batch"])
@@ -155,6 +155,9 @@ def test_split_v_09_mem_07_data_written_before_used_is_published(rec, fmt, batch
     ch = r.dev.poll()
     wlens = ch.wlen.tolist()
     written = [wlens[0], 7, wlens[2], wlens[3], 15, wlens[5]]   # buffers 1 and 4 are partly written
+    for i in range(ch.n):   # poison: a byte the device did not write is 0xaa
+        for a, k, w in ch.segments(i):
+            r.write(a, b"\xaa" * k)
     dev_gpa, _ = r.area("device")
     pending = list(zip(ch.id.tolist(), ch.ndesc.tolist(), [ch.segments(i) for i in range(ch.n)], wlens))
     cursor = {"split": 0, "packed": 0}
@@ -195,16 +198,16 @@ def test_split_v_09_mem_07_data_written_before_used_is_published(rec, fmt, batch
                 checked.extend(bufs)
                 pos = cursor["packed"]
         for (id, _, segs, wlen), n in checked:
-            want = _written_bytes(wlen, written[ch.id.tolist().index(id)])[:n]
-            assert writable_bytes(segs, n) == want, f"buffer {id} published before its {n} bytes were written"
+            assert writable_bytes(segs, n) == _pattern(n), f"buffer {id}: {n} bytes published, not all written"
 
     with rec.capture(r.mem, hook=hook):
         for i in range(ch.n):   # the device model: data first, then push_used; one flush
-            segs, wlen = pending[i][2], wlens[i]
-            data, off = _written_bytes(wlen, written[i]), 0
-            for a, k, w in segs:
+            data, off = _pattern(written[i]), 0
+            for a, k, w in pending[i][2]:   # across descriptor boundaries, from the first writable one
                 r.write(a, data[off:off + k])
                 off += k
+                if off >= len(data):
+                    break
         r.dev.push_used(ch.id, written)
         r.dev.flush()
     assert len(checked) == 6 and not pending
