@@ -58,3 +58,11 @@ NET_VARIANTS = {
 def variant(request):
     """The feature mask of one of the four ring paths (with VERSION_1)."""
     return NET_VARIANTS[request.param]
+
+
+@pytest.fixture(params=["c", "reference"])
+def rec(request):
+    """``impl`` with every ring access recorded in order (tests/conformance/recording.py; conformance tests only,
+    whose directory is then on sys.path)."""
+    from recording import Recorder
+    return Recorder(request.param)

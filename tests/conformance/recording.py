@@ -148,11 +148,9 @@ class Recorder:
             return
         ffi, lib = self.mod.ffi, self.mod.lib
         buf = ffi.new("struct vq_rec_entry[]", self.CAPACITY)
-        c_hook = ffi.NULL
-        if hook is not None:
-            @ffi.callback("void(*)(const struct vq_rec_entry *)")
-            def c_hook(e):
-                access(chr(e.kind), e.addr, e.size, e.value)
+        def on_access(e):
+            access(chr(e.kind), e.addr, e.size, e.value)
+        c_hook = ffi.NULL if hook is None else ffi.callback("void(*)(const struct vq_rec_entry *)", on_access)
         lib.vq_rec_start(buf, self.CAPACITY, c_hook)
         try:
             yield log

@@ -74,17 +74,6 @@ class Ring:
         self.token += n
         return n, tokens[:n]
 
-    def cycle(self, shapes, lens=None):
-        """Add, publish, poll, complete every chain with its writable size, flush, reclaim."""
-        n, tokens = self.add(shapes, lens)
-        self.drv.publish()
-        ch = self.dev.poll()
-        self.dev.push_used(ch.id, ch.wlen)
-        self.dev.flush()
-        got, _ = self.drv.reclaim()
-        assert sorted(got.tolist()) == tokens
-        return n
-
     # ---- what the device would see (split) -------------------------------------------------------
 
     def table(self, gpa, length, dtype):

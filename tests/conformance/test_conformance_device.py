@@ -1,12 +1,11 @@
 """Device MUSTs of the split and packed rings (SPLIT-V-*, PACKED-V-*, INORDER-02) and the driver's packed used
 detection (PACKED-D-24), asserted on ring memory and on what the device reports, for the C engine and the
 reference model. The peer is hand-written where the rule is about what a device must tolerate."""
-import numpy as np
 import pytest
 
 from rings.errors import UsageError
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT,
-                          VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, packed_desc_dtype,
+                          VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, packed_desc_dtype,
                           split_desc_dtype)
 
 from ring import BUF, DATA, SCRATCH, TABLES, Ring
