@@ -78,6 +78,7 @@ CATALOG = {
     "NET-35": ("MUST NOT", "without RSC_EXT, no RSC_INFO flag"),
     # --- driver (the frontend under test), observed by our device --------------------------------------------
     "FEAT-02": ("MUST NOT", "the driver accepts only features that were offered"),
+    "FEAT-07": ("MUST", "descriptor addresses lie in the memory the driver shared (physical addresses)"),
     "NOTIF-08": ("MUST NOT", "no available buffer notification before DRIVER_OK"),
     "SPLIT-D-01": ("MUST", "desc 16-, avail 2-, used 4-byte aligned"),
     "SPLIT-D-02": ("MUST", "device-writable descriptors after the readable ones"),

@@ -78,6 +78,9 @@ def register(sub):
                    help="connect to --socket (a frontend in server mode) instead of listening")
     v.add_argument("--seconds", type=float, default=10.0, help="how long to run the scenarios (default 10)")
     v.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the driver to connect and start")
+    v.add_argument("--phases", default=None, metavar="A,B,...",
+                   help="run only these device behaviours, in this order (per-buffer, kicks, batches, ring-full, "
+                        "late, spurious-calls)")
     _onoff(v, "event-idx", "event_idx", True, "offer VIRTIO_F_EVENT_IDX")
     _onoff(v, "indirect", "indirect", True, "offer VIRTIO_F_INDIRECT_DESC")
     v.set_defaults(run=run_driver)
@@ -112,7 +115,8 @@ def run_driver(args):
     from conform.driver import DriverHarness, DriverOptions
     try:
         opts = DriverOptions(socket=args.socket, client=args.client, seconds=args.seconds, wait=args.wait,
-                             timeout=args.timeout, seed=args.seed, event_idx=args.event_idx, indirect=args.indirect)
+                             timeout=args.timeout, seed=args.seed, event_idx=args.event_idx, indirect=args.indirect,
+                             **({"phases": tuple(args.phases.split(","))} if args.phases else {}))
         report = DriverHarness(opts).run()
     except VringError as e:
         return _fail(e)
