@@ -265,7 +265,11 @@ class Queue:
             rid = {"used": "PACKED-V-05", "skipped": "PACKED-V-09"}.get(kind, "PACKED-V-04")
             what = {"used": "a used descriptor already consumed", "skipped": "a slot skipped inside a used list",
                     "free": "a slot not made available"}.get(kind, kind)
-            self.r.fail(rid, f"{self.name}: slot {s} ({what}) changed: {self.shadow[s].tobytes().hex()} -> "
+            flags = int.from_bytes(ring[s][14:16].tobytes(), "little")
+            a, u = used_bits(flags)
+            looks = (f": a used descriptor (id {int.from_bytes(ring[s][12:14].tobytes(), 'little')}, flags "
+                     f"{flags:#x})" if a == u else "")
+            self.r.fail(rid, f"{self.name}: slot {s} ({what}) changed{looks}: {self.shadow[s].tobytes().hex()} -> "
                              f"{ring[s].tobytes().hex()}")
             if kind == "skipped" and self.h.in_order:
                 self.r.fail("INORDER-13", f"{self.name}: slot {s} inside an in-order batch was written")
@@ -410,10 +414,9 @@ class Queue:
         pending = (used_idx - self.used_ctr) & 0xFFFF
         if pending == 0:
             return []
-        if pending > len(self.inflight):
+        if pending > len(self.inflight):   # reported; the entries themselves say more (read on)
             r.fail("SPLIT-V-12", f"{self.name}: used idx moved {self.used_ctr}->{used_idx} (+{pending}) with "
                                  f"only {len(self.inflight)} buffers in flight")
-            raise Broken(f"{self.name}: used idx beyond what was made available")
         out = []
         while self.used_ctr != used_idx:
             pos = self.used_ctr
@@ -451,6 +454,7 @@ class Queue:
                 self.used_ctr = (pos + nb) & 0xFFFF
             else:
                 self.fifo.remove(uid)
+                del self.inflight[uid]
                 r.ok("INORDER-15")
                 out.append((b, ulen, False))
                 self.consumed.append(slot)
@@ -466,7 +470,7 @@ class Queue:
         batch = []
         while self.fifo:
             bid = self.fifo.popleft()
-            batch.append(self.inflight[bid])
+            batch.append(self.inflight.pop(bid))
             if bid == uid:
                 if len(batch) > 1:
                     self.h.batched[self.index] += 1
@@ -529,6 +533,7 @@ class Queue:
                 r.ok("INORDER-02")
             else:
                 self.fifo.remove(uid)
+                del self.inflight[uid]
                 r.ok("INORDER-15")
                 batch = [b]
             if b.wlen and ulen:
@@ -577,8 +582,6 @@ class Queue:
 
     def _recycle(self, out):
         """Give the used buffers back to the DriverQueue (it reclaims exactly what was checked)."""
-        for b, _ln, _sk in out:
-            self.inflight.pop(b.id, None)
         try:
             tokens, _lens = self.dq.reclaim(len(out))
         except RingError as e:

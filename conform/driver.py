@@ -486,7 +486,10 @@ class Session:
 
 
 class DriverHarness:
-    """One run of `vring conform driver`. ``run()`` returns the Report."""
+    """One run of `vring conform driver`. ``run()`` returns the Report. ``session_class`` builds each data path
+    (tests give it a deliberately wrong one)."""
+
+    session_class = Session
 
     def __init__(self, opts: DriverOptions):
         self.o = opts
@@ -519,7 +522,7 @@ class DriverHarness:
 
     def start_session(self, dev):
         try:
-            self.session = Session(self, dev)
+            self.session = self.session_class(self, dev)
         except (Refused, VringError) as e:
             self.report.notes.append(f"cannot start the data path: {type(e).__name__}: {e}")
             self.session_broken = True
