@@ -36,11 +36,10 @@ import numpy as np
 from rings.errors import ConfigError, RingError, VringError
 from rings.layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
                           VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
-                          VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
+                          VIRTIO_F_INDIRECT_DESC, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL,
                           VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE,
-                          QueueLayout, align_up, area_sizes, bit, feature_names, has, need_event,
-                          packed_need_event)
+                          QueueLayout, align_up, area_sizes, bit, feature_names, has, need_event)
 from rings import vhost_user as vu
 from rings.shm import MemoryTable, ShmRegion
 from rings.virtq import DriverQueue
@@ -48,7 +47,7 @@ from virtio.frontend import ACKNOWLEDGE, DRIVER, DRIVER_OK, FEATURES_OK, VhostUs
 
 from . import frames
 from .report import Report
-from .ringview import Malformed, used_bits, view_for
+from .ringview import used_bits, view_for
 
 R = vu.VhostUserRequest
 RX, TX = 0, 1
@@ -189,9 +188,9 @@ class Queue:
             self.slot_kind = ["free"] * n      # free | inflight | used (a used descriptor consumed) | skipped
         else:
             self.dq.c.next_avail = self.dq.c.last_used = base
-            self.avail_ctr = self.used_ctr = base
-            self.consumed = []                # used slots read since the last reclaim
-            self.garbage_heads = {}          # avail slot -> planted head (SPLIT-V-13)
+            self.used_ctr = base                # the harness's own used index (free-running)
+            self.consumed = []                  # used slots read since the last reclaim
+            self.garbage_heads = {}             # head planted beyond avail idx -> its avail position (SPLIT-V-13)
         self.take_shadows()
 
     # -- shadows: what the device may not change -------------------------------------------------------------
@@ -213,10 +212,8 @@ class Queue:
             now = self.h.mem.at(*self.indirect_area)
             diff = np.nonzero(now != self.ind_shadow)[0]
             rid = "PACKED-V-03" if self.packed else "SPLIT-V-04"
-            if r.check(rid, not len(diff), lambda: f"{self.name}: indirect table memory changed at byte "
-                       f"{int(diff[0])} ({len(diff)} bytes): the device wrote a descriptor table"):
-                pass
-            else:
+            if not r.check(rid, not len(diff), lambda: f"{self.name}: indirect table memory changed at byte "
+                           f"{int(diff[0])} ({len(diff)} bytes): the device wrote a descriptor table"):
                 self.ind_shadow = now.copy()
         if self.packed:
             ok = r.check("EVT-22", np.array_equal(v.driver_bytes, self.drv_shadow),
@@ -1267,7 +1264,9 @@ class DeviceHarness:
     # -- the run ----------------------------------------------------------------------------------------------
 
     def run(self):
-        r, o = self.report, self.o
+        """Connect, run the scenarios, stop the vrings. A usage or connection error before the rings run is raised
+        (the command prints one line); one after that ends the run and is reported with what was checked."""
+        r = self.report
         try:
             self._connect()
             self.hdr = frames.hdr_size(self.features)
@@ -1277,23 +1276,24 @@ class DeviceHarness:
                      "chains": self._sc_chains, "rx-hdr-split": self._sc_rx_hdr_split,
                      "mergeable": self._sc_mergeable, "notify-off": self._sc_notify_off,
                      "spurious-kicks": self._sc_spurious_kicks}
-            if early and "start" not in o.scenarios:
-                self._wait(early)
             for name in SCENARIOS:
-                if name in o.scenarios:
+                if name in self.o.scenarios:
                     self._scenario(name, steps[name])
-            self._finish()
-        except (Stalled, Broken) as e:
-            r.error = f"{type(e).__name__}: {e}"
+            try:
+                self.fe.stop()
+            except VringError as e:
+                r.notes.append(f"stopping the vrings: {type(e).__name__}: {e}")
         except VringError as e:
-            r.error = f"{type(e).__name__}: {e}"
-            if self.fe is None or self.q[TX] is None:
+            if self.q[TX] is None:
                 raise
+            r.error = f"{type(e).__name__}: {e}"
         finally:
+            if self.q[TX] is not None:
+                self._summarize()
             self._close()
         return r
 
-    def _finish(self):
+    def _summarize(self):
         r = self.report
         if self.o.layout == "spread" and self.q[TX] is not None and not self.o.packed:
             if r.status("SPLIT-V-15") == "pass":
@@ -1311,10 +1311,6 @@ class DeviceHarness:
                 why = self._why_not(rid)
                 if why:
                     r.set_note(rid, why)
-        try:
-            self.fe.stop()
-        except VringError as e:
-            r.notes.append(f"stopping the vrings: {type(e).__name__}: {e}")
 
     def _why_not(self, rid):
         """Why a row cannot be exercised with this configuration or this backend ('' when it could)."""

@@ -40,8 +40,8 @@ from rings import vhost_user as vu
 from rings.errors import ConfigError, PeerGone, ProtocolError, RingError, VringError
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
-                          VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE,
-                          VIRTQ_USED_F_NO_NOTIFY, bit, feature_names, has, need_event)
+                          VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY,
+                          bit, feature_names, has)
 from rings.virtq import DeviceQueue
 from vhost.device import STATUS_DRIVER_OK, NetDevice, Refused
 
@@ -191,7 +191,7 @@ class Vq:
         self.kicks = 0
         self.low_bit = False                 # kicks phase, EVENT_IDX: bit 0 of used flags set on purpose (EVT-13)
         self.avail_pending_seen = False
-        self.armed = None                    # kicks phase: (avail position, time) after which a kick is owed
+        self.armed = None                    # kicks phase: the avail position after which a kick is owed
         self.kicks_since_arm = 0
         self.debt_since = None
         self.device_shadow = None
@@ -424,9 +424,8 @@ class Session:
                             f"{a[i]:#04x} -> {b[i]:#04x})")
         if hd.payload:
             now_p = b"".join(self.dev.mem.read(x, n) for x, n, w in hd.chain.segs if not w)
-            if r.check("MEM-11", now_p == hd.payload, lambda: f"{q.name}: {what} {hd.id}: readable bytes changed "
-                       f"after the buffer was made available ({frames.first_difference(now_p, hd.payload)})"):
-                pass
+            r.check("MEM-11", now_p == hd.payload, lambda: f"{q.name}: {what} {hd.id}: readable bytes changed "
+                    f"after the buffer was made available ({frames.first_difference(now_p, hd.payload)})")
 
     def flush(self, q, ids, lens, batch):
         """Complete ``ids`` (in this order) with one flush: ``batch`` lets IN_ORDER runs of full buffers share one
@@ -506,15 +505,16 @@ class DriverHarness:
         self.seq = 0
         self.delivered: dict[int, Delivery] = {}
         self.returned = 0
-        self.abandoned = 0
+        self.abandoned = 0                         # outstanding when a data path stopped
+        self.written_off = 0                       # not back before the driver started forwarding
         self.foreign = 0
         self.calls = [0, 0]
         self.phase = None
         self.phase_t0 = 0.0
-        self.phase_fails = 0
         self.phase_log = []
         self.tx_batch_entries = 0                  # Tx used entries that covered more than one buffer
         self.t_first = None
+        self.population = opts.population
         self.offered = OFFERED | (bit(VIRTIO_F_EVENT_IDX) if opts.event_idx else 0) | (
             bit(VIRTIO_F_INDIRECT_DESC) if opts.indirect else 0)
 
@@ -644,9 +644,8 @@ class DriverHarness:
 
     def _deliver(self, s, now):
         """Fill Rx buffers with new frames while the population is short and the Tx ring has room for them."""
-        rx = s.q[RX]
         batch = self.phase == "batches"
-        while s.rx_free and self._outstanding() < self.o.population:
+        while s.rx_free and self._outstanding() < self.population:
             first = s.rx_free[0] if s.in_order else self.rng.choice(s.rx_free)
             if s.mrg:
                 room = sum(h.wlen for h in s.rx_free) - s.hdr
@@ -750,8 +749,8 @@ class DriverHarness:
         """A frame the driver sent: check its header, match it with what we delivered."""
         r = self.report
         data = hd.payload
-        if len(data) < s.hdr:
-            r.fail("NET-06", f"tx: buffer {hd.id} holds {len(data)} readable bytes, less than the header")
+        if len(data) < s.hdr:   # not even a header: nothing to match (counted)
+            self.foreign += 1
             return
         flags, gso, _hl, _gs, _cs, _co, nb = frames.parse_net_hdr(data)
         s.max_tx_desc = max(s.max_tx_desc, hd.ndesc)
@@ -981,7 +980,7 @@ class DriverHarness:
             gone = [d for d in self.delivered.values() if d is not None]
             for d in gone:
                 self.delivered[d.seq] = None
-            self.abandoned += len(gone)
+            self.written_off += len(gone)
             self.warm_mark = now
         s.check_driver_fields()
         for hd in s.poll(s.q[TX]):
@@ -1032,6 +1031,27 @@ class DriverHarness:
         """Not lost while its Rx buffers are not even published as used yet (held back by a phase)."""
         return any(x[2] is d for x in s.rx_shadow)
 
+    @staticmethod
+    def _why_not(rid, f):
+        """Why a row cannot be exercised with the features the driver chose ('' when it could)."""
+        packed, ei, io = has(f, VIRTIO_F_RING_PACKED), has(f, VIRTIO_F_EVENT_IDX), has(f, VIRTIO_F_IN_ORDER)
+        rules = [
+            ((rid.startswith("SPLIT-") or rid in ("MEM-02", "EVT-01", "EVT-02", "EVT-10", "EVT-11", "EVT-12",
+                                                   "EVT-13", "EVT-14", "INORDER-03", "INORDER-04", "INORDER-05",
+                                                   "INORDER-06", "INORDER-09")) and packed, "split rings only"),
+            ((rid.startswith("PACKED-") or rid in ("MEM-04", "EVT-19", "EVT-21", "EVT-22", "EVT-24",
+                                                    "INORDER-11", "INORDER-12")) and not packed, "packed rings only"),
+            (rid in ("EVT-02", "EVT-13", "EVT-14") and not ei, "the driver did not negotiate EVENT_IDX"),
+            (rid in ("EVT-01", "EVT-11", "EVT-12") and ei, "without EVENT_IDX only"),
+            (rid.startswith("INORDER-") and not io, "the driver did not negotiate IN_ORDER"),
+            (rid in ("SPLIT-D-16", "PACKED-D-15", "PACKED-D-26") and io, "without IN_ORDER only"),
+            (rid == "NET-24" and has(f, VIRTIO_NET_F_MRG_RXBUF), "without MRG_RXBUF only"),
+            (rid in ("NET-25", "NET-32") and not has(f, VIRTIO_NET_F_MRG_RXBUF), "with MRG_RXBUF only"),
+            (rid in ("SPLIT-D-06", "SPLIT-D-07", "SPLIT-D-08", "SPLIT-D-09", "INORDER-05", "PACKED-D-18",
+                     "PACKED-D-20", "PACKED-D-21"), "the driver used no indirect table"),
+        ]
+        return next((why for cond, why in rules if cond), "")
+
     # -- the run ----------------------------------------------------------------------------------------------
 
     def run(self):
@@ -1056,8 +1076,10 @@ class DriverHarness:
                 if self.t_first is not None and now - self.t_first >= o.seconds:
                     break
                 if not self._serve_one(0 if s is not None else 0.05):
-                    r.notes.append(f"the driver closed the connection after "
-                                   f"{(now - self.t_first) if self.t_first else 0:.1f} s")
+                    if self.t_first is None:
+                        r.error = "PeerGone: the driver closed the connection before it sent anything back"
+                    else:
+                        r.notes.append(f"the driver closed the connection after {now - self.t_first:.1f} s")
                     if self.session is not None:
                         self.stop_session("the driver left")
                     break
@@ -1086,7 +1108,7 @@ class DriverHarness:
         s = self.session
         if s is None:
             return
-        self.o.population = 0
+        self.population = 0
         if self.phase is not None:
             self._set_phase("drain", time.monotonic())
         end = time.monotonic() + min(LOSS_AFTER, 1.0) + 0.5
@@ -1115,9 +1137,18 @@ class DriverHarness:
         if s is not None:
             self._check_lost(s, time.monotonic(), final=True)   # what is still out after the drain is lost
             self.stop_session("end of the run")
+        if self.phase not in (None, "drain"):
+            self.phase_log.append({"name": self.phase, "seconds": round(time.monotonic() - self.phase_t0, 3),
+                                   "buffers": self.phase_done})
         r.scenarios = [p for p in self.phase_log if p["name"] != "drain"]
+        if self.dev is not None and self.dev.features_set:
+            for rid in IDS:
+                why = self._why_not(rid, self.dev.features) if r.status(rid) == "not exercised" else ""
+                if why:
+                    r.set_note(rid, why)
         r.context["traffic"] = (f"{self.seq} frames delivered, {self.returned} came back, {self.lost} lost, "
-                                f"{self.abandoned} left in a stopped data path, {self.foreign} foreign; calls "
+                                f"{self.written_off} dropped before the driver forwarded, {self.abandoned} left in a "
+                                f"stopped data path, {self.foreign} foreign; calls "
                                 f"rx {self.calls[RX]} tx {self.calls[TX]} ({self.calls_spurious} spurious)")
         if self.conn is not None:
             self.conn.close()

@@ -51,13 +51,26 @@ class Chain:
         return sum(n for _a, n, w in self.segs if not w)
 
 
-class SplitView:
-    def __init__(self, mem, layout):
+class _View:
+    def __init__(self, mem, layout, desc_dtype):
         n = self.size = layout.size
         self.mem = mem
         self.layout = layout
-        self.desc = np.frombuffer(mem.view(layout.desc, 16 * n), split_desc_dtype)
+        self.desc = np.frombuffer(mem.view(layout.desc, 16 * n), desc_dtype)
         self.desc_bytes = _u8(mem, layout.desc, 16 * n)
+
+    def raw(self, chain):
+        """The bytes of the chain's ring descriptors and indirect table as they are now (for re-reads)."""
+        parts = [self.desc_bytes[16 * i:16 * i + 16].tobytes() for i in chain.slots]
+        if chain.table:
+            parts.append(self.mem.read(*chain.table))
+        return b"".join(parts)
+
+
+class SplitView(_View):
+    def __init__(self, mem, layout):
+        super().__init__(mem, layout, split_desc_dtype)
+        n = self.size
         self.avail = np.frombuffer(mem.view(layout.driver, 6 + 2 * n), "<u2")   # flags, idx, ring[n], used_event
         self.driver_bytes = _u8(mem, layout.driver, 6 + 2 * n)
         self.used_hdr = np.frombuffer(mem.view(layout.device, 4), "<u2")        # flags, idx
@@ -122,21 +135,10 @@ class SplitView:
             if j >= count:
                 raise Malformed(f"indirect entry chains to {j}, outside the table ({count})")
 
-    def raw(self, chain):
-        """The bytes of the chain's descriptors and indirect table as they are now (for re-reads)."""
-        parts = [self.desc_bytes[16 * i:16 * i + 16].tobytes() for i in chain.slots]
-        if chain.table:
-            parts.append(self.mem.read(*chain.table))
-        return b"".join(parts)
 
-
-class PackedView:
+class PackedView(_View):
     def __init__(self, mem, layout):
-        n = self.size = layout.size
-        self.mem = mem
-        self.layout = layout
-        self.desc = np.frombuffer(mem.view(layout.desc, 16 * n), packed_desc_dtype)
-        self.desc_bytes = _u8(mem, layout.desc, 16 * n)
+        super().__init__(mem, layout, packed_desc_dtype)
         self.driver_event = np.frombuffer(mem.view(layout.driver, 4), "<u2")   # off_wrap, flags
         self.device_event = np.frombuffer(mem.view(layout.device, 4), "<u2")
         self.driver_bytes = _u8(mem, layout.driver, 4)
@@ -173,12 +175,6 @@ class PackedView:
             if not flags & VIRTQ_DESC_F_NEXT:
                 return c
             i = i + 1 if i + 1 < n else 0
-
-    def raw(self, chain):
-        parts = [self.desc_bytes[16 * i:16 * i + 16].tobytes() for i in chain.slots]
-        if chain.table:
-            parts.append(self.mem.read(*chain.table))
-        return b"".join(parts)
 
 
 def avail_bits_ok(flags, wrap):
