@@ -59,6 +59,10 @@ INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay d
 RX_BUF = 1536              # one Rx buffer: header + the largest frame
 USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
 
+#: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
+ENCODINGS = {"SPLIT-V-01", "SPLIT-V-05", "SPLIT-V-07", "PACKED-V-08", "PACKED-V-10", "PACKED-V-13", "PACKED-V-14",
+             "INORDER-16"}
+
 SCENARIOS = ("start", "batches", "chains", "rx-hdr-split", "mergeable", "notify-off", "spurious-kicks")
 
 IDS = ["FEAT-05", "GEN-01",
@@ -177,6 +181,7 @@ class Queue:
         self.inflight: dict[int, Buf] = {}
         self.fifo: deque[int] = deque()      # ids in avail order
         self.order = 0
+        self.max_used_order = -1             # the latest (in avail order) buffer used so far
         self.round_used = 0                  # used buffers seen since the last notification check
         self.callfd = h.fe.callfds[index]
         self.kickfd = h.fe.kickfds[index]
@@ -579,6 +584,7 @@ class Queue:
 
     def _recycle(self, out):
         """Give the used buffers back to the DriverQueue (it reclaims exactly what was checked)."""
+        self.max_used_order = max(self.max_used_order, max(b.order for b, _l, _s in out))
         try:
             tokens, _lens = self.dq.reclaim(len(out))
         except RingError as e:
@@ -815,7 +821,7 @@ class DeviceHarness:
 
     # -- checks of what came back -----------------------------------------------------------------------------
 
-    def _tx_done(self, b, length, skipped, used_flags_ok=True):
+    def _tx_done(self, b, length, skipped):
         r, tx = self.report, self.q[TX]
         if not tx.packed and not skipped:
             r.check("SPLIT-V-11", length == 0, lambda: f"tx: used len {length} for Tx buffer {b.id} "
@@ -959,9 +965,10 @@ class DeviceHarness:
             i = next(k for k in range(len(frame)) if k >= frames.CMP_FROM and data[k] != frame[k])
             if data[i:i + 4] == canary[self.hdr + i:self.hdr + i + 4]:
                 r.fail(data_id, where + " (still the canary: not written before the used index/flags)")
-            else:
-                special = sorted(t for t in tags if t not in ("NET-21",))
-                r.fail(special[0] if special else data_id, where)
+            else:   # blame the unusual encodings the frame was sent with, or else the Rx side
+                encodings = sorted(set(tags) & ENCODINGS) or sorted(set(tags) & {"NET-17", "NET-18"})
+                for rid in encodings or [data_id]:
+                    r.fail(rid, where + (f" (sent with {', '.join(encodings)})" if encodings else ""))
 
     # -- rounds -----------------------------------------------------------------------------------------------
 
@@ -1091,9 +1098,10 @@ class DeviceHarness:
                      f"{int(q.view.desc[s]['id'])}")
         else:
             state = f"used idx {q.view.used_idx}, avail idx {q.view.avail_idx}"
-        if not self.in_order and any(b.order > head.order and b.id not in q.inflight for b in q.inflight.values()):
-            self.report.fail("INORDER-15", f"{q.name}: buffers made available before later, used ones were never "
-                                           f"used (one used entry for several buffers without IN_ORDER?)")
+        if not self.in_order and q.max_used_order > head.order:
+            self.report.fail("INORDER-15", f"{q.name}: buffer {head.id} and others made available before buffers "
+                                           f"that were used are never used (one used entry for several buffers "
+                                           f"without IN_ORDER?)")
         return (f"{q.name}: {len(left)} buffers not used after {self.o.stall}s (first: id {head.id}, "
                 f"{head.chain.ndesc} descriptors); {state}")
 
