@@ -3,7 +3,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench"]
+SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench", "conform"]
 
 
 def build_parser():

@@ -1,0 +1,1351 @@
+"""`vring conform device`: we are the frontend (a virtio-net driver); the backend under test is checked.
+
+The backend must be a virtio-net device that loops what it receives on the driver's Tx queue (vring 1) back
+into the driver's Rx queue (vring 0): DPDK ``dpdk-testpmd --vdev net_vhost0,iface=S -- --forward-mode=io``
+(or ``mac``/``macswap``, which rewrite only the MAC addresses), or ``vring vhost --socket S --fwd macswap``.
+A backend that does not loop still gets its Tx side checked; the Rx rows then stay "not exercised".
+
+How it drives the backend. The control plane is ``virtio.frontend.VhostUserFrontend``; the rings are two
+``rings.virtq.DriverQueue`` over one POSIX shared-memory region. The harness builds every buffer itself
+(Ethernet frames stamped with a sequence number, the virtio-net header, segments placed with canary bytes
+between them, Rx buffers filled with the canary), lets the DriverQueue write the descriptors, reads back
+from memory what it wrote (its own model of every buffer in flight), sometimes edits descriptors before
+publishing them (legal but unusual encodings: WRITE on an indirect descriptor, an indirect table walked
+0->2->1, garbage ids in non-last packed descriptors, reserved bits inside packed indirect tables), publishes,
+and kicks when the device asks. Scenarios: the GEN-01 window before DRIVER_OK, batches of every size 1..ring,
+chains and indirect tables, a 12-byte header descriptor on Rx, small mergeable Rx buffers, notifications
+suppressed, spurious kicks; split rings start near the 16-bit wrap of the ring indices.
+
+What it checks (from ring memory and the call eventfds, never from the backend's word): every used entry /
+used descriptor against the buffers in flight (ids, order, batches, skipped slots, len, WRITE flag, wrap
+bits), every received packet against the frame that was sent (header fields, num_buffers, lengths, content,
+canary bytes that should have been overwritten), descriptor tables, indirect tables, the avail ring / driver
+event area, readable buffers and the canaries around every buffer against the harness's own copies (nothing
+the device may not write has changed), and used buffer notifications against the suppression in force.
+"""
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rings.errors import ConfigError, RingError, VringError
+from rings.layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
+                          VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
+                          VIRTIO_F_INDIRECT_DESC, VIRTIO_F_VERSION_1,
+                          VIRTIO_NET_F_MRG_RXBUF, VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL,
+                          VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE,
+                          QueueLayout, align_up, area_sizes, bit, feature_names, has, need_event)
+from rings import vhost_user as vu
+from rings.shm import MemoryTable, ShmRegion
+from rings.virtq import DriverQueue
+from virtio.frontend import ACKNOWLEDGE, DRIVER, DRIVER_OK, FEATURES_OK, VhostUserFrontend, want_features
+
+from . import frames
+from .report import Report
+from .ringview import used_bits, view_for
+
+R = vu.VhostUserRequest
+RX, TX = 0, 1
+GPA_BASE = 0x1_0000_0000
+PAGE = 4096
+SLOT = 4096                # guest memory per buffer token (segments with canary gaps between them)
+GAP = 16                   # canary bytes before, between and after segments
+INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay direct
+RX_BUF = 1536              # one Rx buffer: header + the largest frame
+USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
+
+#: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
+ENCODINGS = {"SPLIT-V-01", "SPLIT-V-05", "SPLIT-V-07", "PACKED-V-08", "PACKED-V-10", "PACKED-V-13", "PACKED-V-14",
+             "INORDER-16"}
+
+SCENARIOS = ("start", "batches", "chains", "rx-hdr-split", "mergeable", "notify-off", "spurious-kicks")
+
+IDS = ["FEAT-05", "GEN-01",
+       "SPLIT-L-01", "SPLIT-L-02", "SPLIT-L-05", "SPLIT-L-08",
+       "SPLIT-V-01", "SPLIT-V-02", "SPLIT-V-04", "SPLIT-V-05", "SPLIT-V-07", "SPLIT-V-08", "SPLIT-V-09",
+       "SPLIT-V-11", "SPLIT-V-12", "SPLIT-V-13", "SPLIT-V-15",
+       "EVT-04", "EVT-05", "EVT-06", "EVT-07", "EVT-15", "EVT-16", "EVT-17", "EVT-19", "EVT-21", "EVT-22",
+       "EVT-23", "EVT-24",
+       "PACKED-V-01", "PACKED-V-02", "PACKED-V-03", "PACKED-V-04", "PACKED-V-05", "PACKED-V-08",
+       "PACKED-V-09", "PACKED-V-10", "PACKED-V-11", "PACKED-V-12", "PACKED-V-13", "PACKED-V-14",
+       "PACKED-V-15", "PACKED-V-16", "PACKED-V-18",
+       "INORDER-02", "INORDER-07", "INORDER-08", "INORDER-10", "INORDER-13", "INORDER-15", "INORDER-16",
+       "MEM-07",
+       "NET-17", "NET-18", "NET-21", "NET-27", "NET-28", "NET-29", "NET-30", "NET-31", "NET-33", "NET-34",
+       "NET-35"]
+
+# rows that only one ring format can exercise (SPLIT-V-01, message framing, holds for both)
+SPLIT_ONLY = {i for i in IDS if i.startswith("SPLIT-") and i != "SPLIT-V-01"} | {
+    "EVT-04", "EVT-05", "EVT-06", "EVT-07", "EVT-15", "EVT-16", "INORDER-07", "INORDER-08"}
+PACKED_ONLY = {i for i in IDS if i.startswith("PACKED-")} | {"EVT-19", "EVT-21", "EVT-22", "EVT-23", "EVT-24",
+                                                            "MEM-07", "INORDER-13"}
+
+
+class Stalled(VringError):
+    """The backend stopped using buffers it was given (no progress within the stall time)."""
+
+
+class Broken(VringError):
+    """A device behaviour left a queue in a state the harness cannot continue from (already reported)."""
+
+
+@dataclass
+class DeviceOptions:
+    socket: str
+    packed: bool = False
+    in_order: bool = True
+    mrg_rxbuf: bool = False
+    event_idx: bool = False
+    indirect: bool = True          # use VIRTIO_F_INDIRECT_DESC when the backend offers it
+    ring_size: int = 256
+    timeout: float = 5.0           # seconds for each vhost-user reply
+    stall: float = 5.0             # seconds without progress on a queue before giving up
+    rx_wait: float = 1.0           # seconds to wait for a frame to come back
+    base: int | None = None        # split: first ring index (default: 1.5 rings before the 16-bit wrap)
+    layout: str = "spread"         # "spread": areas apart, reverse order, minimum alignment; "contiguous"
+    scenarios: tuple = SCENARIOS
+    seed: int = 1
+
+    def __post_init__(self):
+        QueueLayout.bytes_needed("packed" if self.packed else "split", self.ring_size)   # checks the size
+        if self.layout not in ("spread", "contiguous"):
+            raise ConfigError(f"layout must be spread or contiguous, not {self.layout!r}")
+        bad = [s for s in self.scenarios if s not in SCENARIOS]
+        if bad:
+            raise ConfigError(f"unknown scenario(s) {bad}; known: {', '.join(SCENARIOS)}")
+        if self.base is not None and not 0 <= self.base <= 0xFFFF:
+            raise ConfigError(f"base must be 0..65535, not {self.base}")
+
+
+@dataclass
+class Buf:
+    """One buffer the harness made available, as its model knows it."""
+
+    id: int
+    token: int
+    chain: object                 # ringview.Chain as written (before publishing)
+    wlen: int
+    order: int                    # position in avail order (free-running)
+    seq: int | None = None        # Tx: the frame's sequence number
+    image: bytes | None = None    # Tx: the token slot as written (readable data + canaries)
+    seg_offs: list = field(default_factory=list)   # offsets of the segments in the token slot
+    tags: set = field(default_factory=set)         # checklist IDs this buffer exercises (credited on return)
+    planted_ids: set = field(default_factory=set)  # packed: garbage ids written in non-last descriptors
+
+
+class GuestRegion:
+    """The one shared-memory region the backend maps (gpa == uaddr, as virtio_user does)."""
+
+    def __init__(self, size):
+        self.shm = ShmRegion.create(size, prefix="vring-conform")
+        self.shm.unlink()   # the backend gets the fd; nothing is left in /dev/shm whatever happens
+        self.gpa = GPA_BASE
+        self.size = size
+        self.table = MemoryTable([(GPA_BASE, size, self.shm.buf)])
+        self.u8 = np.frombuffer(self.shm.buf, np.uint8)
+
+    def fileno(self):
+        return self.shm.fileno()
+
+    def at(self, gpa, n):
+        off = gpa - GPA_BASE
+        return self.u8[off:off + n]
+
+    def close(self):
+        self.u8 = None
+        self.table = None
+        self.shm.close()
+
+
+class Queue:
+    """One vring driven by a DriverQueue, with the harness's model of what is in flight and the checks of what
+    the device wrote. ``index``: RX (0) or TX (1)."""
+
+    def __init__(self, h, index, layout, indirect, token_base, base):
+        self.h, self.index, self.layout = h, index, layout
+        self.name = "rx" if index == RX else "tx"
+        self.packed = layout.packed
+        self.size = n = layout.size
+        self.r = h.report
+        self.dq = DriverQueue(h.mem.table, layout, h.features, indirect=indirect)
+        self.view = view_for(h.mem.table, layout)
+        self.indirect_area = (indirect[0], n * indirect[1] * 16) if indirect else None
+        self.token_base = token_base
+        self.slots = h.mem.at(token_base, n * SLOT).reshape(n, SLOT)
+        self.free_tokens = deque(range(n))
+        self.inflight: dict[int, Buf] = {}
+        self.fifo: deque[int] = deque()      # ids in avail order
+        self.order = 0
+        self.max_used_order = -1             # the latest (in avail order) buffer used so far
+        self.round_used = 0                  # used buffers seen since the last notification check
+        self.callfd = h.fe.callfds[index]
+        self.kickfd = h.fe.kickfds[index]
+        self.unpublished: list[Buf] = []
+        if self.packed:
+            self.avail_pos, self.avail_wrap = 0, 1
+            self.used_pos, self.used_wrap = 0, 1
+            self.shadow = self.view.desc_bytes.reshape(n, 16).copy()
+            self.slot_kind = ["free"] * n      # free | inflight | used (a used descriptor consumed) | skipped
+        else:
+            self.dq.c.next_avail = self.dq.c.last_used = base
+            self.used_ctr = base                # the harness's own used index (free-running)
+            self.consumed = []                  # used slots read since the last reclaim
+            self.garbage_heads = {}             # head planted beyond avail idx -> its avail position (SPLIT-V-13)
+        self.take_shadows()
+
+    # -- shadows: what the device may not change -------------------------------------------------------------
+
+    def take_shadows(self):
+        v = self.view
+        if self.packed:
+            self.drv_shadow = v.driver_bytes.copy()
+        else:
+            self.desc_shadow = v.desc_bytes.copy()
+            self.avail_shadow = v.driver_bytes.copy()
+        if self.indirect_area:
+            self.ind_shadow = self.h.mem.at(*self.indirect_area).copy()
+
+    def verify_owned(self):
+        """Compare everything the device may not write with the harness's copies; report each difference."""
+        v, r = self.view, self.r
+        if self.indirect_area:
+            now = self.h.mem.at(*self.indirect_area)
+            diff = np.nonzero(now != self.ind_shadow)[0]
+            rid = "PACKED-V-03" if self.packed else "SPLIT-V-04"
+            if not r.check(rid, not len(diff), lambda: f"{self.name}: indirect table memory changed at byte "
+                           f"{int(diff[0])} ({len(diff)} bytes): the device wrote a descriptor table"):
+                self.ind_shadow = now.copy()
+        if self.packed:
+            ok = r.check("EVT-22", np.array_equal(v.driver_bytes, self.drv_shadow),
+                         lambda: f"{self.name}: driver event suppression area changed "
+                                 f"{self.drv_shadow.tobytes().hex()} -> {v.driver_bytes.tobytes().hex()}")
+            if not ok:
+                self.drv_shadow = v.driver_bytes.copy()
+            self._verify_owned_slots()
+        else:
+            diff = np.nonzero(v.desc_bytes != self.desc_shadow)[0]
+            if not r.check("SPLIT-V-04", not len(diff), lambda: f"{self.name}: descriptor {int(diff[0]) // 16} "
+                           f"changed: {self.desc_shadow[diff[0] // 16 * 16:][:16].tobytes().hex()} -> "
+                           f"{v.desc_bytes[diff[0] // 16 * 16:][:16].tobytes().hex()}"):
+                self.desc_shadow = v.desc_bytes.copy()
+            diff = np.nonzero(v.driver_bytes != self.avail_shadow)[0]
+            if not r.check("SPLIT-L-08", not len(diff), lambda: f"{self.name}: avail ring byte {int(diff[0])} "
+                           f"changed {int(self.avail_shadow[diff[0]]):#x} -> {int(v.driver_bytes[diff[0]]):#x}: "
+                           f"the device wrote the driver area"):
+                self.avail_shadow = v.driver_bytes.copy()
+            if self.garbage_heads:   # stale heads sat beyond avail idx all round; none was consumed
+                r.ok("SPLIT-V-13")
+
+    def _inflight_descs(self):
+        return sum(b.chain.ndesc for b in self.inflight.values())
+
+    def _verify_owned_slots(self):
+        """Packed: slots outside [used_pos, avail_pos) belong to the driver; none may differ from the copy."""
+        n = self.size
+        ring = self.view.desc_bytes.reshape(n, 16)
+        owned = np.ones(n, bool)
+        k = self._inflight_descs()
+        if k:
+            idx = (self.used_pos + np.arange(k)) % n
+            owned[idx] = False
+        diff = np.nonzero(owned & (ring != self.shadow).any(axis=1))[0]
+        if not len(diff):
+            kinds = {self.slot_kind[s] for s in np.nonzero(owned)[0]}
+            for kind, rid in (("free", "PACKED-V-04"), ("used", "PACKED-V-05"), ("skipped", "PACKED-V-09"),
+                              ("skipped", "PACKED-V-18")):
+                if kind in kinds:   # such slots sat in the ring (stale descriptors included) and stayed as they were
+                    self.r.ok(rid)
+            return
+        for s in diff[:3]:
+            s = int(s)
+            kind = self.slot_kind[s]
+            rid = {"used": "PACKED-V-05", "skipped": "PACKED-V-09"}.get(kind, "PACKED-V-04")
+            what = {"used": "a used descriptor already consumed", "skipped": "a slot skipped inside a used list",
+                    "free": "a slot not made available"}.get(kind, kind)
+            flags = int.from_bytes(ring[s][14:16].tobytes(), "little")
+            a, u = used_bits(flags)
+            looks = (f": a used descriptor (id {int.from_bytes(ring[s][12:14].tobytes(), 'little')}, flags "
+                     f"{flags:#x})" if a == u else "")
+            self.r.fail(rid, f"{self.name}: slot {s} ({what}) changed{looks}: {self.shadow[s].tobytes().hex()} -> "
+                             f"{ring[s].tobytes().hex()}")
+            if kind == "skipped" and self.h.in_order:
+                self.r.fail("INORDER-13", f"{self.name}: slot {s} inside an in-order batch was written")
+                a, u = used_bits(int.from_bytes(ring[s][14:16].tobytes(), "little"))
+                if a == u:
+                    self.r.fail("INORDER-02", f"{self.name}: a used descriptor (id "
+                                              f"{int.from_bytes(ring[s][12:14].tobytes(), 'little')}) was written "
+                                              f"inside an in-order batch, after a buffer made available later")
+        self.shadow[diff] = ring[diff]
+
+    # -- adding buffers ---------------------------------------------------------------------------------------
+
+    def room(self):
+        return len(self.free_tokens), self.dq.num_free
+
+    def add(self, specs, mutate=None):
+        """Add buffers. ``specs``: per buffer (segment datas or lengths, writable, seq, tags). Returns the Bufs
+        added (in avail order); nothing is published yet (``publish``)."""
+        addrs, lens, nread, nwrite, tokens, metas = [], [], [], [], [], []
+        for datas, writable, seq, tags in specs:
+            if not self.free_tokens:
+                break
+            t = self.free_tokens.popleft()
+            slot = self.slots[t]
+            slot[:] = self.h.pattern
+            off, offs, segs = GAP, [], []
+            for d in datas:
+                raw = isinstance(d, (bytes, bytearray))
+                n = len(d) if raw else int(d)
+                if off + n + GAP > SLOT:
+                    raise ConfigError(f"segments do not fit a {SLOT}-byte slot")
+                if raw:
+                    slot[off:off + n] = np.frombuffer(d, np.uint8)
+                segs.append((self.token_base + t * SLOT + off, n))
+                offs.append(off)
+                off += n + GAP
+            addrs += [a for a, _n in segs]
+            lens += [n for _a, n in segs]
+            nread.append(0 if writable else len(segs))
+            nwrite.append(len(segs) if writable else 0)
+            tokens.append(t)
+            metas.append((t, seq, set(tags), offs, segs, None if writable else slot.tobytes()))
+        if not tokens:
+            return []
+        start_ctr = None if self.packed else self.dq.c.next_avail
+        got = self.dq.add(np.array(addrs, np.uint64), np.array(lens, np.uint32), np.array(nread, np.uint16),
+                          np.array(nwrite, np.uint16), np.array(tokens, np.uint64))
+        for m in reversed(metas[got:]):
+            self.free_tokens.appendleft(m[0])
+        bufs = []
+        pending_head = int(self.dq.c.pending_head) if self.packed and self.dq.c.pending else None
+        for k, (t, seq, tags, offs, segs, image) in enumerate(metas[:got]):
+            if self.packed:
+                head = self.avail_pos
+                hf = int(self.dq.c.pending_flags) if head == pending_head else None
+                chain = self.view.walk(head, head_flags=hf)
+                bid = chain.ids[-1]
+                self.avail_pos += chain.ndesc
+                if self.avail_pos >= self.size:
+                    self.avail_pos -= self.size
+                    self.avail_wrap ^= 1
+                    if self.avail_pos:
+                        tags.add("PACKED-V-08")   # the list crosses the ring end
+            else:
+                bid = self.view.avail_ring((start_ctr + k) & 0xFFFF)
+                chain = self.view.walk(bid)
+            if bid in self.inflight or [(a, n) for a, n, _w in chain.segs] != segs:
+                raise Broken(f"harness: buffer {bid} in memory {chain.segs} is not what was added {segs}")
+            b = Buf(bid, t, chain, chain.wlen, self.order, seq, image, offs, tags)
+            self.order += 1
+            self.inflight[bid] = b
+            self.fifo.append(bid)
+            self.unpublished.append(b)
+            bufs.append(b)
+        if mutate:
+            for b in bufs:
+                mutate(self, b)
+        return bufs
+
+    def publish(self, kick=True):
+        """Take the shadows of what was added, publish, plant garbage beyond avail idx (split), and kick if the
+        device asks (``kick=False``: not now, e.g. before DRIVER_OK)."""
+        if self.packed:
+            ring = self.view.desc_bytes.reshape(self.size, 16)
+            c = self.dq.c
+            for b in self.unpublished:
+                for s in b.chain.slots:
+                    self.shadow[s] = ring[s]
+                    self.slot_kind[s] = "inflight"
+            if c.pending:   # the head flags are still kept aside by the driver: the value they will have
+                self.shadow[int(c.pending_head)][14:16] = np.frombuffer(
+                    int(c.pending_flags).to_bytes(2, "little"), np.uint8)
+            self.dq.publish()
+        else:
+            self.desc_shadow = self.view.desc_bytes.copy()
+            self.dq.publish()
+            self._plant_garbage()
+            self.avail_shadow = self.view.driver_bytes.copy()
+        self.unpublished = []
+        if self.indirect_area:
+            self.ind_shadow = self.h.mem.at(*self.indirect_area).copy()
+        if kick:
+            self.kick()
+
+    def kick(self):
+        if self.dq.kick_prepare():
+            os.eventfd_write(self.kickfd, 1)
+            self.h.kicks[self.index] += 1
+
+    def _plant_garbage(self):
+        """SPLIT-V-13: avail slots beyond avail idx hold heads of free descriptors (stale chains)."""
+        self.garbage_heads = {}
+        free = [i for i in range(self.size) if i not in self.inflight]
+        nxt = self.dq.c.next_avail
+        for k in range(min(len(free), 8, self.size - len(self.inflight))):
+            pos = (nxt + k) & 0xFFFF
+            head = self.h.rng.choice(free)
+            self.view.avail[2 + pos % self.size] = head
+            self.garbage_heads[head] = pos
+
+    # -- used side --------------------------------------------------------------------------------------------
+
+    def scan(self):
+        """Read what the device used since the last scan, check it, recycle it. Returns the completions as
+        (Buf, len, skipped) in used order."""
+        out = self._scan_packed() if self.packed else self._scan_split()
+        if out:
+            self._recycle(out)
+        return out
+
+    def _check_used_flags_split(self):
+        f = self.view.used_flags
+        if self.h.event_idx:
+            self.r.check("EVT-16", f == 0, lambda: f"{self.name}: used flags {f:#x} with EVENT_IDX (must be 0)")
+        else:
+            self.r.check("EVT-15", f in (0, 1), lambda: f"{self.name}: used flags {f:#x} (must be 0 or 1)")
+
+    def _scan_split(self):
+        r, n = self.r, self.size
+        self._check_used_flags_split()
+        used_idx = self.view.used_idx
+        pending = (used_idx - self.used_ctr) & 0xFFFF
+        if pending == 0:
+            return []
+        if pending > len(self.inflight):   # reported; the entries themselves say more (read on)
+            r.fail("SPLIT-V-12", f"{self.name}: used idx moved {self.used_ctr}->{used_idx} (+{pending}) with "
+                                 f"only {len(self.inflight)} buffers in flight")
+        out = []
+        while self.used_ctr != used_idx:
+            pos = self.used_ctr
+            slot = pos % n
+            uid, ulen = (int(x) for x in self.view.used_raw[slot])
+            left = (used_idx - pos) & 0xFFFF
+            r.check("SPLIT-L-05", uid < 0x10000, lambda: f"{self.name}: used.ring[{slot}].id = {uid:#x}: "
+                    f"high bytes not 0")
+            b = self.inflight.get(uid)
+            if b is None:
+                planted = self.garbage_heads.get(uid)
+                if planted is not None:
+                    r.fail("SPLIT-V-13", f"{self.name}: used head {uid}, which the harness had written only in "
+                                         f"avail slot {planted} beyond avail idx")
+                r.fail("SPLIT-V-15", f"{self.name}: used.ring[{slot}] (used idx {pos}) = id {uid} len {ulen}: "
+                                     f"not a head in flight (in flight: {self._fifo_brief()})")
+                raise Broken(f"{self.name}: used id not in flight")
+            r.ok("SPLIT-V-15")
+            r.ok("SPLIT-V-12")
+            if ulen > b.wlen:   # reported with the buffer (_tx_done/_rx_done); let our driver recycle it
+                self.view.used_raw[slot, 1] = b.wlen
+            if self.h.in_order:
+                batch = self._batch_upto(uid)
+                nb = len(batch)
+                r.ok("INORDER-02")
+                if not r.check("INORDER-07", nb <= left, lambda: f"{self.name}: entry at used idx {pos} names "
+                               f"buffer {uid}, the {nb}th in avail order (a batch of {nb}), but used idx only "
+                               f"reaches {used_idx} ({left} entries)"):
+                    raise Broken(f"{self.name}: batch beyond used idx")
+                self._check_skipped_used_slots(pos, batch)
+                for sb in batch[:-1]:
+                    out.append((sb, sb.wlen, True))
+                out.append((b, ulen, False))
+                self.consumed += [(pos + k) % n for k in range(nb)]
+                self.used_ctr = (pos + nb) & 0xFFFF
+            else:
+                self.fifo.remove(uid)
+                del self.inflight[uid]
+                r.ok("INORDER-15")
+                out.append((b, ulen, False))
+                self.consumed.append(slot)
+                self.used_ctr = (pos + 1) & 0xFFFF
+        return out
+
+    def _fifo_brief(self):
+        ids = list(self.fifo)
+        return ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+
+    def _batch_upto(self, uid):
+        """IN_ORDER: the buffers from the oldest in flight up to ``uid`` (removed from the fifo)."""
+        batch = []
+        while self.fifo:
+            bid = self.fifo.popleft()
+            batch.append(self.inflight.pop(bid))
+            if bid == uid:
+                if len(batch) > 1:
+                    self.h.batched[self.index] += 1
+                return batch
+        raise Broken("harness: in-order batch walk ran past the fifo")
+
+    def _check_skipped_used_slots(self, pos, batch):
+        """INORDER-08: the used slots inside a batch keep the canary the harness wrote after the last lap."""
+        n = self.size
+        for k in range(1, len(batch)):
+            slot = (pos + k) % n
+            got = tuple(int(x) for x in self.view.used_raw[slot])
+            if got != USED_CANARY:
+                self.r.fail("INORDER-08", f"{self.name}: used.ring[{slot}] inside the batch at used idx {pos} "
+                                          f"({len(batch)} buffers) was written: id {got[0]} len {got[1]}")
+                names = [b for b in batch[:-1] if b.id == got[0]]
+                if names:
+                    self.r.fail("INORDER-02", f"{self.name}: buffer {got[0]} was used after buffer {batch[-1].id}"
+                                              f", which was made available after it (entries {pos} and "
+                                              f"{pos + k})")
+            else:
+                self.r.ok("INORDER-08")
+
+    def _scan_packed(self):
+        r, n, v = self.r, self.size, self.view
+        self._check_event_area()
+        out = []
+        while self.inflight:
+            s = self.used_pos
+            flags = v.flags(s)
+            a, u = used_bits(flags)
+            if not (a == u == self.used_wrap):
+                if flags != int.from_bytes(self.shadow[s][14:16].tobytes(), "little") and a == u:
+                    r.fail("PACKED-V-02", f"{self.name}: slot {s} flags {flags:#x}: AVAIL=USED={a}, but the "
+                                          f"device wrap counter is {self.used_wrap}")
+                    raise Broken(f"{self.name}: used descriptor with the wrong wrap")
+                break
+            d = v.desc[s]
+            uid, ulen = int(d["id"]), int(d["len"])
+            r.ok("PACKED-V-02")
+            if self.used_wrap == 0:
+                r.ok("PACKED-V-01")
+            b = self.inflight.get(uid)
+            if b is None:
+                if uid in self.garbage_ids():
+                    r.fail("PACKED-V-10", f"{self.name}: used id {uid} at slot {s} is a garbage id the harness "
+                                          f"wrote in a non-last descriptor")
+                stale = self.slot_kind[s] != "inflight"
+                r.fail("PACKED-V-18" if stale else "PACKED-V-11",
+                       f"{self.name}: used descriptor at slot {s} (wrap {self.used_wrap}) names id {uid}, not a "
+                       f"buffer in flight (in flight: {self._fifo_brief()})")
+                raise Broken(f"{self.name}: used id not in flight")
+            r.ok("PACKED-V-11")
+            if self.h.in_order:
+                oldest = self.inflight[self.fifo[0]]
+                if not r.check("INORDER-13", oldest.chain.head == s, lambda: f"{self.name}: used descriptor at slot "
+                               f"{s}, but the oldest buffer in flight starts at slot {oldest.chain.head}"):
+                    raise Broken(f"{self.name}: in-order used position")
+                batch = self._batch_upto(uid)
+                r.ok("INORDER-02")
+            else:
+                self.fifo.remove(uid)
+                del self.inflight[uid]
+                r.ok("INORDER-15")
+                batch = [b]
+            if b.wlen and ulen:
+                r.check("PACKED-V-12", flags & VIRTQ_DESC_F_WRITE, lambda: f"{self.name}: used descriptor for Rx "
+                        f"buffer {uid} (len {ulen}) without the WRITE flag ({flags:#x})")
+            elif not b.wlen:
+                was = int.from_bytes(self.shadow[s][14:16].tobytes(), "little")
+                if not r.check("PACKED-V-12", not flags & VIRTQ_DESC_F_WRITE, lambda: f"{self.name}: used descriptor "
+                               f"for Tx buffer {uid} has the WRITE flag ({flags:#x}): nothing was written (the "
+                               f"driver's descriptor in that slot had flags {was:#x})"):
+                    if was & VIRTQ_DESC_F_INDIRECT and was & VIRTQ_DESC_F_WRITE:
+                        r.fail("PACKED-V-14", f"{self.name}: the reserved WRITE bit of the INDIRECT descriptor "
+                                              f"(flags {was:#x}) came back as WRITE in the used descriptor "
+                                              f"({flags:#x}) with len {ulen}: not ignored")
+            adv = sum(x.chain.ndesc for x in batch)
+            if ulen > b.wlen or (flags & VIRTQ_DESC_F_WRITE and not b.wlen):
+                # reported above or with the buffer; the descriptor is ours again: make it one our driver
+                # recycles (it refuses a used length beyond the writable part, as a strict driver does)
+                v.desc[s]["len"] = min(ulen, b.wlen)
+                if not b.wlen:
+                    v.desc[s]["flags"] = flags & ~VIRTQ_DESC_F_WRITE
+            self.shadow[s] = v.desc_bytes.reshape(n, 16)[s]
+            self.slot_kind[s] = "used"
+            for k in range(1, adv):
+                self.slot_kind[(s + k) % n] = "skipped"
+            for sb in batch[:-1]:
+                out.append((sb, sb.wlen, True))
+            out.append((b, ulen, False))
+            if any(x.chain.table for x in batch):
+                r.ok("PACKED-V-15")
+            self.used_pos += adv
+            if self.used_pos >= n:
+                self.used_pos -= n
+                self.used_wrap ^= 1
+        return out
+
+    def garbage_ids(self):
+        return set().union(*(b.planted_ids for b in self.inflight.values())) if self.inflight else set()
+
+    def _check_event_area(self):
+        f = int(self.view.device_event[1])
+        self.r.check("EVT-19", not f & ~3, lambda: f"{self.name}: device event flags {f:#x}: reserved bits set")
+        self.r.check("EVT-21", (f & 3) != 3 and ((f & 3) != RING_EVENT_FLAGS_DESC or self.h.event_idx),
+                     lambda: f"{self.name}: device event flags {f:#x}" + (" (DESC without EVENT_IDX)" if f & 3 == 2
+                                                                          else " (reserved value 3)"))
+
+    def _recycle(self, out):
+        """Give the used buffers back to the DriverQueue (it reclaims exactly what was checked)."""
+        self.max_used_order = max(self.max_used_order, max(b.order for b, _l, _s in out))
+        try:
+            tokens, _lens = self.dq.reclaim(len(out))
+        except RingError as e:
+            raise Broken(f"{self.name}: our driver refused the used ring: {type(e).__name__}: {e}") from None
+        got = [int(t) for t in tokens]
+        want = [b.token for b, _l, _s in out]
+        if got != want:
+            raise Broken(f"harness: reclaim returned tokens {got[:8]}, the oracle {want[:8]}")
+        if not self.packed:   # INORDER-08: consumed used elements get the canary (never idx or flags)
+            self.view.used_raw[self.consumed] = USED_CANARY
+            self.consumed = []
+        self.free_tokens.extend(got)
+        self.round_used += len(out)
+
+    # -- notifications ----------------------------------------------------------------------------------------
+
+    def calls(self):
+        try:
+            return os.eventfd_read(self.callfd)
+        except BlockingIOError:
+            return 0
+
+
+class DeviceHarness:
+    """One run of `vring conform device`. ``run()`` returns the Report."""
+
+    def __init__(self, opts: DeviceOptions):
+        self.o = opts
+        self.rng = random.Random(opts.seed)
+        self.run_id = (os.getpid() << 8 ^ int(time.time())) & 0xFFFFFFFF
+        self.report = Report("device", IDS)
+        self.fe = None
+        self.mem = None
+        self.q = [None, None]
+        self.seq = 0
+        self.sent: dict[int, tuple] = {}          # seq -> (frame, tags, tx layout)
+        self.received: set[int] = set()
+        self.foreign = 0
+        self.loops = None                          # does the backend bring frames back? (None: not known yet)
+        self.kicks = [0, 0]
+        self.batched = [0, 0]
+        self.call_mode = None
+        self.rx_mode = "one"
+        self.partial = None                        # a packet whose buffers are not all visible yet
+        self.hold_rx = False                       # no Rx refill (switching to another kind of Rx buffer)
+        self.pattern = np.frombuffer(random.Random(opts.seed ^ 0x5A5A).randbytes(SLOT), np.uint8)
+
+    # -- setup ------------------------------------------------------------------------------------------------
+
+    @property
+    def in_order(self):
+        return has(self.features, VIRTIO_F_IN_ORDER)
+
+    @property
+    def event_idx(self):
+        return has(self.features, VIRTIO_F_EVENT_IDX)
+
+    @property
+    def mrg(self):
+        return has(self.features, VIRTIO_NET_F_MRG_RXBUF)
+
+    def _layouts(self):
+        o, n = self.o, self.o.ring_size
+        fmt = "packed" if o.packed else "split"
+        dsz, drv, dev = area_sizes(fmt, n)
+        lay, off = [], 0
+        for _ in range(2):
+            if o.layout == "contiguous":
+                lay.append(QueueLayout.contiguous(fmt, n, GPA_BASE + off))
+                off = align_up(off + QueueLayout.bytes_needed(fmt, n), PAGE)
+                continue
+            # SPLIT-L-01/02, EVT-20: device area first, then the driver area, then the descriptors, each at
+            # the least alignment the spec allows (used 4 mod 8, avail 2 mod 4, packed events 4 mod 8)
+            dev_at = GPA_BASE + off + 4
+            drv_at = align_up(dev_at + dev, PAGE) + (4 if o.packed else 2)
+            desc_at = align_up(drv_at + drv, PAGE)
+            lay.append(QueueLayout(fmt, n, desc_at, drv_at, dev_at))
+            off = align_up(desc_at + dsz, PAGE) - GPA_BASE
+        return lay, off
+
+    def _connect(self):
+        o = self.o
+        self.fe = VhostUserFrontend(o.socket, timeout=o.timeout)
+        self.fe.connect()
+        want = want_features(VERSION_1=True, RING_PACKED=o.packed, IN_ORDER=o.in_order, MRG_RXBUF=o.mrg_rxbuf,
+                             EVENT_IDX=o.event_idx, INDIRECT_DESC=o.indirect)
+        required = want & ~bit(VIRTIO_F_INDIRECT_DESC)
+        self.features = self.fe.negotiate(want, required=required)
+        self.report.check("FEAT-05", has(self.fe.offered, VIRTIO_F_VERSION_1),
+                          f"offered features {self.fe.offered:#x} lack VERSION_1")
+        self.report.context.update(
+            peer=o.socket, ring=f"{'packed' if o.packed else 'split'}, {o.ring_size} entries, {o.layout} layout",
+            offered=f"{self.fe.offered:#x}",
+            negotiated=" ".join(n for n in feature_names(self.features) if n != "PROTOCOL_FEATURES"))
+
+    def _setup_memory(self):
+        n = self.o.ring_size
+        layouts, off = self._layouts()
+        self.ind_gpa = GPA_BASE + off
+        off = align_up(off + n * INDIRECT_MAX * 16, PAGE)
+        self.tok_gpa = [GPA_BASE + off, GPA_BASE + off + n * SLOT]
+        off += 2 * n * SLOT
+        self.mem = GuestRegion(off)
+        self.layouts = layouts
+        if not self.o.packed:
+            base = self.o.base if self.o.base is not None else (0x10000 - n * 3 // 2) & 0xFFFF
+            for lay in layouts:     # avail idx and used idx start at the base we announce
+                self.mem.at(lay.driver + 2, 2)[:] = np.frombuffer(base.to_bytes(2, "little"), np.uint8)
+                self.mem.at(lay.device + 2, 2)[:] = np.frombuffer(base.to_bytes(2, "little"), np.uint8)
+                used = np.frombuffer(self.mem.table.view(lay.device + 4, 8 * n), "<u4").reshape(n, 2)
+                used[:] = USED_CANARY
+            self.base = base
+            self.report.context["base"] = f"split ring indices start at {base}"
+        else:
+            self.base = 0
+        self.report.context["layout"] = "; ".join(
+            f"vring {i}: desc {lay.desc:#x} driver {lay.driver:#x} device {lay.device:#x}"
+            for i, lay in enumerate(layouts))
+
+    def _start(self):
+        """SET_MEM_TABLE, the vrings (with our base), enable; the GEN-01 window; DRIVER_OK."""
+        fe = self.fe
+        fe.set_mem_table(self.mem)
+        for i, lay in enumerate(self.layouts):
+            fe.call(R.SET_VRING_NUM, vu.VringState(i, lay.size).pack())
+            fe.call(R.SET_VRING_BASE, vu.VringState(i, 0x8000 if lay.packed else self.base).pack())
+            fe.call(R.SET_VRING_ADDR, vu.VringAddr(i, 0, desc=lay.desc, used=lay.device, avail=lay.driver).pack())
+            fe.kickfds[i] = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            fe.call(R.SET_VRING_KICK, vu.VringFile(i).pack(), fds=[fe.kickfds[i]])
+        if has(self.features, VHOST_USER_F_PROTOCOL_FEATURES):
+            for i in range(2):
+                fe.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
+        fe.started = True
+        ind = (self.ind_gpa, INDIRECT_MAX) if has(self.features, VIRTIO_F_INDIRECT_DESC) else None
+        self.q = [Queue(self, RX, self.layouts[RX], None, self.tok_gpa[RX], self.base),
+                  Queue(self, TX, self.layouts[TX], ind, self.tok_gpa[TX], self.base)]
+        for q in self.q:
+            self._set_calls(q, "on")
+        self._refill_rx()
+        early = []
+        if fe.has_status and "start" in self.o.scenarios:
+            early = self._send([self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(4)], kick=False)
+            time.sleep(0.25)
+            self._gen01_check(early)
+        if fe.has_status:
+            fe.call(R.SET_STATUS, vu.pack_u64(ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK), ack=fe.reply_ack)
+            fe.status |= DRIVER_OK
+            for q in self.q:
+                q.kick()
+        else:
+            self.report.set_note("GEN-01", "STATUS not negotiated: DRIVER_OK is not visible to the backend")
+        return early
+
+    def _gen01_check(self, early):
+        r = self.report
+        tx, rx = self.q[TX], self.q[RX]
+        if tx.packed:
+            ok = all(tx.view.flags(b.chain.head) == int.from_bytes(tx.shadow[b.chain.head][14:16].tobytes(), "little")
+                     for b in early)
+            moved = "a descriptor was marked used"
+        else:
+            ok = tx.view.used_idx == tx.used_ctr and rx.view.used_idx == rx.used_ctr
+            moved = f"used idx moved to {tx.view.used_idx} (tx) / {rx.view.used_idx} (rx)"
+        calls = tx.calls() + rx.calls()
+        r.check("GEN-01", ok and not calls, lambda: f"before DRIVER_OK: {moved if not ok else ''}"
+                f"{' and ' if not ok and calls else ''}{f'{calls} used buffer notifications' if calls else ''}")
+
+    # -- traffic ----------------------------------------------------------------------------------------------
+
+    def _tx_spec(self, size, nseg, tags=(), garbage_hdr=False):
+        """(segment datas, writable, seq, tags) for one frame cut into ``nseg`` pieces."""
+        self.seq += 1
+        frame = frames.make_frame(size, self.run_id, self.seq)
+        if garbage_hdr:   # NET-17/NET-18: fields the device must not use without NEEDS_CSUM / GUEST_HDRLEN
+            hdr = frames.net_hdr(hdr_len=self.rng.randrange(1 << 16), gso_size=self.rng.randrange(1 << 16),
+                                 csum_start=self.rng.randrange(1 << 16), csum_offset=self.rng.randrange(1 << 16))
+            tags = set(tags) | {"NET-17", "NET-18"}
+        else:
+            hdr = frames.net_hdr()
+        data = hdr[:self.hdr] + frame
+        cuts = sorted(self.rng.sample(range(1, len(data)), nseg - 1)) if nseg > 1 else []
+        if nseg > 1 and self.rng.random() < 0.5:   # SPLIT-V-01: a cut inside the header, between two fields
+            cuts[0] = self.rng.choice([1, 2, 3, 5, 7, 9, 11])
+            cuts = sorted(set(cuts))
+        tags = set(tags) | {"NET-21"} | ({"SPLIT-V-01"} if nseg > 1 else set())
+        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        self.sent[self.seq] = (frame, tags, f"{len(pieces)} segments")
+        return pieces, False, self.seq, tags
+
+    def _send(self, specs, mutate=None, kick=True):
+        tx = self.q[TX]
+        bufs = tx.add(specs, mutate)
+        for spec in specs[len(bufs):]:   # did not fit: forget them
+            self.sent.pop(spec[2], None)
+        if bufs:
+            if self.in_order and len({b.chain.ndesc for b in bufs}) > 1:
+                for b in bufs:
+                    b.tags.add("INORDER-16")
+            for b in bufs:
+                self.sent[b.seq][1].update(b.tags)
+            tx.publish(kick)
+        return bufs
+
+    def _rx_sizes(self):
+        if self.rx_mode == "hdr-split":
+            return [self.hdr, RX_BUF - self.hdr]
+        if self.rx_mode == "small":
+            return [self.rng.randint(128, 320)]
+        return [RX_BUF]
+
+    def _refill_rx(self):
+        rx = self.q[RX]
+        if self.hold_rx:
+            return
+        specs = []
+        while len(specs) < len(rx.free_tokens):
+            sizes = self._rx_sizes()
+            if len(specs) * len(sizes) + len(sizes) > rx.dq.num_free:
+                break
+            specs.append((sizes, True, None, ()))
+        if specs:
+            rx.add(specs)
+            rx.publish()
+
+    def _rx_capacity(self):
+        """Frames the posted Rx buffers can hold for sure."""
+        rx = self.q[RX]
+        if not rx.inflight:
+            return 0
+        if self.rx_mode == "small":
+            smallest = min(b.wlen for b in rx.inflight.values())
+            return len(rx.inflight) // -(-(frames.MAX_FRAME + self.hdr) // smallest)
+        return len(rx.inflight)
+
+    # -- checks of what came back -----------------------------------------------------------------------------
+
+    def _tx_done(self, b, length, skipped):
+        r, tx = self.report, self.q[TX]
+        if not tx.packed and not skipped:
+            r.check("SPLIT-V-11", length == 0, lambda: f"tx: used len {length} for Tx buffer {b.id} "
+                    f"(nothing is written into a Tx buffer: 0)")
+        now = tx.slots[b.token].tobytes()
+        if now != b.image:
+            i = next(k for k in range(SLOT) if now[k] != b.image[k])
+            inside = any(o <= i < o + n for o, (_a, n, _w) in zip(b.seg_offs, b.chain.segs))
+            r.fail("PACKED-V-03" if tx.packed else "SPLIT-V-02",
+                   f"tx: buffer {b.id}: byte {i} of its slot changed ({b.image[i]:#04x} -> {now[i]:#04x}), "
+                   + ("inside a device-readable segment" if inside else "outside every segment (canary)"))
+        else:
+            r.ok("PACKED-V-03" if tx.packed else "SPLIT-V-02")
+
+    def _rx_guards_ok(self, b):
+        rx = self.q[RX]
+        slot = rx.slots[b.token]
+        mask = np.ones(SLOT, bool)
+        for o, (_a, n, _w) in zip(b.seg_offs, b.chain.segs):
+            mask[o:o + n] = False
+        diff = np.nonzero(mask & (slot != self.pattern))[0]
+        rid = "PACKED-V-03" if rx.packed else "SPLIT-V-02"
+        return self.report.check(rid, not len(diff), lambda: f"rx: buffer {b.id}: byte {int(diff[0])} of its slot "
+                                 f"changed outside every writable segment (canary {int(self.pattern[diff[0]]):#04x}"
+                                 f" -> {int(slot[diff[0]]):#04x})")
+
+    def _rx_bytes(self, b, length):
+        """The first ``length`` bytes of an Rx buffer, across its segments."""
+        rx = self.q[RX]
+        slot = rx.slots[b.token]
+        out, left = bytearray(), length
+        for o, (_a, n, _w) in zip(b.seg_offs, b.chain.segs):
+            k = min(n, left)
+            out += slot[o:o + k].tobytes()
+            left -= k
+            if not left:
+                break
+        return bytes(out)
+
+    def _canary_bytes(self, b, length):
+        """What the first ``length`` bytes of the buffer held before the device wrote (the canary)."""
+        out, left = bytearray(), length
+        for o, (_a, n, _w) in zip(b.seg_offs, b.chain.segs):
+            k = min(n, left)
+            out += self.pattern[o:o + k].tobytes()
+            left -= k
+        return bytes(out)
+
+    def _rx_done(self, comps):
+        """Used Rx buffers, in used order -> packets; check every header and frame."""
+        r, rx = self.report, self.q[RX]
+        len_id = "PACKED-V-12" if rx.packed else "SPLIT-V-11"
+        data_id = "MEM-07" if rx.packed else "SPLIT-V-09"
+        for b, ln, sk in comps:
+            self._rx_guards_ok(b)
+            if ln > b.wlen:
+                r.fail(len_id, f"rx: used len {ln} for buffer {b.id} of {b.wlen} writable bytes")
+        items = list(comps)
+        if self.partial:
+            items = self.partial + items
+            self.partial = None
+        i = 0
+        while i < len(items):
+            b, ln, sk = items[i]
+            if ln < self.hdr:
+                r.fail(len_id, f"rx: used len {ln} for buffer {b.id}: shorter than the {self.hdr}-byte header")
+                i += 1
+                continue
+            first = self._rx_bytes(b, min(ln, b.wlen))
+            flags, gso, _hl, _gs, _cs, _co, nb = frames.parse_net_hdr(first)
+            r.check("NET-33", flags == 0, lambda: f"rx: header flags {flags:#x} without GUEST_CSUM")
+            r.check("NET-34", gso == 0, lambda: f"rx: gso_type {gso:#x} without GUEST_TSO4/6, UFO, USO")
+            r.check("NET-35", not flags & frames.VIRTIO_NET_HDR_F_RSC_INFO, lambda: f"rx: RSC_INFO set ({flags:#x})")
+            if self.mrg:
+                if not r.check("NET-29", nb >= 1, f"rx: num_buffers {nb} in buffer {b.id}"):
+                    nb = 1
+            else:
+                r.check("NET-28", nb == 1, lambda: f"rx: num_buffers {nb} (bytes {first[10:12].hex()}) without "
+                        f"MRG_RXBUF (must be 1)" + (" - the canary the harness filled the buffer with: not written"
+                                                    if first[10:12] == self._canary_bytes(b, 12)[10:12] else ""))
+                nb = 1
+                r.ok("NET-27")
+            if i + nb > len(items):
+                self.partial = items[i:]
+                r.fail("NET-31", f"rx: packet in buffer {b.id} has num_buffers {nb}, only {len(items) - i} of its "
+                                 f"buffers were visible as used")
+                if rx.packed:
+                    r.fail("PACKED-V-16", f"rx: the first buffer ({b.id}) of a {nb}-buffer packet was marked "
+                                          f"used before the others")
+                return
+            bufs = items[i:i + nb]
+            i += nb
+            if nb > 1:
+                r.ok("NET-31")
+                if rx.packed:
+                    r.ok("PACKED-V-16")
+                for x, xl, _ in bufs[:-1]:
+                    r.check("NET-30", xl == x.wlen, lambda: f"rx: buffer {x.id} of a {nb}-buffer packet used "
+                            f"{xl} of {x.wlen} bytes (all but the last must be full)")
+                r.ok("NET-29")
+            data = first[self.hdr:min(ln, b.wlen)] + b"".join(self._rx_bytes(x, min(xl, x.wlen))
+                                                             for x, xl, _ in bufs[1:])
+            self._frame_back(data, bufs, (len_id,) if rx.packed else (len_id, "SPLIT-V-08"), data_id)
+
+    def _frame_back(self, data, bufs, len_ids, data_id):
+        r = self.report
+        seq = frames.stamp_of(data, self.run_id)
+        if seq is None or seq not in self.sent:
+            self.foreign += 1
+            if seq is None and len(bufs) == 1 and any(sk for _b, _l, sk in bufs):
+                r.fail("INORDER-10", f"rx: buffer {bufs[0][0].id} was skipped by an in-order batch and holds no "
+                                     f"complete frame")
+            return
+        if seq in self.received:
+            r.fail("PACKED-V-18" if self.q[RX].packed else "SPLIT-V-13",
+                   f"rx: frame {seq} arrived twice: a Tx buffer was consumed twice")
+            return
+        frame, tags, how = self.sent[seq]
+        self.received.add(seq)
+        self.sent[seq] = (None, (), how)   # keep the memory small; the seq stays known
+        if any(b.chain.ndesc > 1 for b, _l, _s in bufs) and not self.q[RX].packed:   # 12-byte header descriptor
+            tags = set(tags) | {"SPLIT-V-01"}
+        skipped = [b.id for b, _l, sk in bufs if sk]
+        if frames.same_frame(data, frame):
+            r.ok(data_id)
+            for rid in len_ids:
+                r.ok(rid)
+            for t in tags:
+                r.ok(t)
+            if skipped:
+                r.ok("INORDER-10")
+            return
+        diff = frames.first_difference(data, frame)
+        where = f"rx: frame {seq} (sent in {how}) came back in buffers {[b.id for b, _l, _s in bufs]}: {diff}"
+        if skipped:
+            r.fail("INORDER-10", where + f"; buffers {skipped} were skipped by an in-order batch")
+        elif len(data) != len(frame):
+            r.fail(len_ids[0], where)
+        else:
+            canary = b"".join(self._canary_bytes(b, min(ln, b.wlen)) for b, ln, _s in bufs)
+            i = next(k for k in range(len(frame)) if k >= frames.CMP_FROM and data[k] != frame[k])
+            if data[i:i + 4] == canary[self.hdr + i:self.hdr + i + 4]:
+                r.fail(data_id, where + " (still the canary: not written before the used index/flags)")
+            else:   # blame the unusual encodings the frame was sent with, or else the Rx side
+                encodings = sorted(set(tags) & ENCODINGS) or sorted(set(tags) & {"NET-17", "NET-18"})
+                for rid in encodings or [data_id]:
+                    r.fail(rid, where + (f" (sent with {', '.join(encodings)})" if encodings else ""))
+
+    # -- rounds -----------------------------------------------------------------------------------------------
+
+    def _set_calls(self, q, mode, low_bit=False):
+        """Ask for used buffer notifications ("on") or suppress them ("off"), by the spec's means."""
+        v = q.view
+        if q.packed:
+            if mode == "on" and self.event_idx:
+                v.driver_event[0] = q.used_pos | (q.used_wrap << 15)
+                v.driver_event[1] = RING_EVENT_FLAGS_DESC
+            else:
+                v.driver_event[1] = RING_EVENT_FLAGS_ENABLE if mode == "on" else RING_EVENT_FLAGS_DISABLE
+            q.drv_shadow = v.driver_bytes.copy()
+        else:
+            n = q.size
+            if self.event_idx:   # EVT-06: the device must ignore bit 0 of flags (set on purpose in some rounds)
+                v.avail[0] = VIRTQ_AVAIL_F_NO_INTERRUPT if low_bit else 0
+                v.avail[2 + n] = q.used_ctr if mode == "on" else (q.used_ctr - 1) & 0xFFFF
+            else:                 # EVT-04: used_event holds garbage the device must ignore
+                v.avail[0] = 0 if mode == "on" else VIRTQ_AVAIL_F_NO_INTERRUPT
+                v.avail[2 + n] = self.rng.randrange(1 << 16)
+            q.avail_shadow = v.driver_bytes.copy()
+        q.call_state = (mode, low_bit, q.used_ctr if not q.packed else (q.used_pos, q.used_wrap),
+                        None if q.packed else int(v.avail[2 + q.size]))
+
+    def _check_calls(self, q, got):
+        """After a round: the calls that arrived for the used buffers it produced."""
+        r = self.report
+        mode, low_bit, start, used_event = q.call_state
+        if not q.round_used:
+            return
+        if mode == "on":
+            if not got:
+                deadline = time.monotonic() + 0.05
+                while not got and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                    got = q.calls()
+            if q.packed:
+                rid = "EVT-23" if self.event_idx else "EVT-24"
+            elif self.event_idx:
+                rid = "EVT-06" if low_bit else "EVT-07"
+            else:
+                rid = "EVT-05"
+            what = (f"{q.name}: {q.round_used} buffers used" + (f" past used_event {used_event}" if self.event_idx and
+                                                                 not q.packed else "") + ", no notification")
+            if r.check(rid, got > 0, what):
+                if rid == "EVT-06":
+                    r.ok("EVT-07")
+                if rid == "EVT-05":
+                    r.ok("EVT-04")
+            elif rid == "EVT-05" and not need_event(used_event, q.used_ctr, start):
+                r.fail("EVT-04", f"{q.name}: no notification while flags were 0; the garbage used_event "
+                                 f"{used_event} did not cover {start}..{q.used_ctr}, as if the device read it")
+        elif got:
+            rid = "EVT-24" if q.packed else ("EVT-07" if self.event_idx else "EVT-05")
+            r.warn(rid, f"{q.name}: {got} notification(s) for {q.round_used} buffers used while suppressed")
+        q.round_used = 0
+
+    def _quiesce_calls(self):
+        time.sleep(0.03)
+        for q in self.q:
+            q.calls()
+            q.round_used = 0
+
+    def _round(self, specs, mutate=None, call_mode="on", low_bit=False):
+        """Send one batch and wait until every buffer is used and every frame is back (or given up on)."""
+        rx, tx = self.q
+        if call_mode != self.call_mode:
+            for q in self.q:
+                self._set_calls(q, call_mode)
+            self._quiesce_calls()
+            self.call_mode = call_mode
+        for q in self.q:
+            self._set_calls(q, call_mode, low_bit)
+            q.calls()
+            q.round_used = 0
+        self._refill_rx()
+        bufs = self._send(specs, mutate)
+        self._wait(bufs)
+        for q in self.q:
+            self._check_calls(q, q.calls())
+            q.verify_owned()
+        return len(bufs)
+
+    def _wait(self, bufs):
+        """Scan both queues until ``bufs`` are used and their frames are back (or the waits run out)."""
+        rx, tx = self.q
+        seqs = {b.seq for b in bufs}
+        t_last = time.monotonic()
+        t_tx_done = None
+        while True:
+            moved = False
+            for q in (tx, rx):
+                comps = q.scan()
+                if comps:
+                    moved = True
+                    if q is tx:
+                        for b, ln, sk in comps:
+                            self._tx_done(b, ln, sk)
+                    else:
+                        self._rx_done(comps)
+                        self._refill_rx()
+            now = time.monotonic()
+            if moved:
+                t_last = now
+            tx_done = not any(b.id in tx.inflight and tx.inflight[b.id] is b for b in bufs)
+            if tx_done and t_tx_done is None:
+                t_tx_done = now
+            back = seqs <= self.received
+            if tx_done and (back or self.loops is False or now - t_tx_done > self.o.rx_wait):
+                if self.loops is None and seqs:
+                    self.loops = bool(seqs & self.received)
+                    if not self.loops:
+                        self.report.notes.append("the backend did not bring frames back on the Rx queue: Rx "
+                                                 "requirements are not exercised (configure it to forward)")
+                return
+            if not tx_done and now - t_last > self.o.stall:
+                left = [b for b in bufs if b.id in tx.inflight]
+                raise Stalled(self._stall_evidence(tx, left))
+            time.sleep(0.0002 if moved else 0.001)
+
+    def _stall_evidence(self, q, left):
+        head = left[0]
+        if q.packed:
+            s = q.used_pos
+            state = (f"next used slot {s} (wrap {q.used_wrap}) holds flags {q.view.flags(s):#x} id "
+                     f"{int(q.view.desc[s]['id'])}")
+        else:
+            state = f"used idx {q.view.used_idx}, avail idx {q.view.avail_idx}"
+        if not self.in_order and q.max_used_order > head.order:
+            self.report.fail("INORDER-15", f"{q.name}: buffer {head.id} and others made available before buffers "
+                                           f"that were used are never used (one used entry for several buffers "
+                                           f"without IN_ORDER?)")
+        return (f"{q.name}: {len(left)} buffers not used after {self.o.stall}s (first: id {head.id}, "
+                f"{head.chain.ndesc} descriptors); {state}")
+
+    # -- scenarios --------------------------------------------------------------------------------------------
+
+    def _max_batch(self, nseg=1):
+        tx = self.q[TX]
+        self._refill_rx()
+        return max(1, min(len(tx.free_tokens), tx.dq.num_free // nseg, self._rx_capacity() or self.o.ring_size))
+
+    def _scenario(self, name, fn):
+        t0 = time.monotonic()
+        rec = {"name": name, "buffers": 0, "status": "ok"}
+        self.report.scenarios.append(rec)
+        try:
+            rec["buffers"] = fn()
+        except Stalled as e:
+            rec["status"] = f"stalled: {e}"
+            raise
+        except Broken as e:
+            rec["status"] = f"broken: {e}"
+            raise
+        finally:
+            rec["seconds"] = round(time.monotonic() - t0, 3)
+
+    def _sc_start(self, early):
+        self._wait(early)
+        return len(early) + self._round([self._tx_spec(self.rng.randint(60, 1514), 1)])
+
+    def _sc_batches(self):
+        """Batches of every size 1..ring (bounded by the Rx buffers), one-segment frames of random size."""
+        total, k, rounds = 0, 1, 0
+        top = self._max_batch()
+        while k <= top:
+            specs = [self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(k)]
+            total += self._round(specs, low_bit=bool(rounds % 2))
+            k += 1
+            rounds += 1
+        return total
+
+    def _mutate(self, q, b):
+        """Legal but unusual encodings, written before the buffer is published."""
+        v, rng = q.view, self.rng
+        c = b.chain
+        if q.packed:
+            if c.table is not None:
+                if rng.random() < 0.5:   # PACKED-V-13: reserved flags and ids inside the table are ignored
+                    t = np.frombuffer(self.mem.table.view(*c.table), q.view.desc.dtype)
+                    t["flags"] |= VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED
+                    t["id"] = [rng.randrange(1 << 16) for _ in range(len(t))]
+                    b.tags.add("PACKED-V-13")
+                if rng.random() < 0.5:   # PACKED-V-14: WRITE on the INDIRECT descriptor is ignored
+                    self._packed_or_flags(q, c.head, VIRTQ_DESC_F_WRITE)
+                    b.tags.add("PACKED-V-14")
+            elif c.ndesc > 1:            # PACKED-V-10: the id is the last descriptor's; others hold garbage
+                for s in c.slots[:-1]:
+                    g = rng.randrange(q.size)
+                    while g == b.id:
+                        g = rng.randrange(q.size)
+                    v.desc[s]["id"] = g
+                    b.planted_ids.add(g)
+                b.tags.add("PACKED-V-10")
+        elif c.table is not None:
+            if rng.random() < 0.5:       # SPLIT-V-05: WRITE on the descriptor that refers to the table
+                v.desc[c.slots[0]]["flags"] |= VIRTQ_DESC_F_WRITE
+                b.tags.add("SPLIT-V-05")
+            k = len(c.table_entries)
+            if not self.in_order and k >= 3:   # SPLIT-V-07: the table walked 0 -> k-1 -> ... (next, not order)
+                t = np.frombuffer(self.mem.table.view(*c.table), v.desc.dtype)
+                old = [tuple(int(x) for x in e) for e in t]
+                pos = [0] + list(range(k - 1, 0, -1))
+                for j, p in enumerate(pos):
+                    last = j == k - 1
+                    t[p] = (old[j][0], old[j][1], (old[j][2] & ~VIRTQ_DESC_F_NEXT) | (0 if last else VIRTQ_DESC_F_NEXT),
+                            0 if last else pos[j + 1])
+                b.tags.add("SPLIT-V-07")
+        for t in b.tags:
+            if b.seq in self.sent:
+                self.sent[b.seq][1].add(t)
+
+    def _packed_or_flags(self, q, slot, bits):
+        c = q.dq.c
+        if c.pending and int(c.pending_head) == slot:
+            c.pending_flags = int(c.pending_flags) | bits
+        else:
+            q.view.desc[slot]["flags"] |= bits
+
+    def _sc_chains(self):
+        """Frames in 1..8 segments: indirect tables (2..4) and direct chains, then direct only; header garbage."""
+        total = 0
+        tx = self.q[TX]
+        for use_indirect in ((1, 0) if tx.indirect_area else (0,)):
+            tx.dq.c.use_indirect = use_indirect
+            done = 0
+            while done < 2 * self.o.ring_size:
+                k = self.rng.randint(1, self._max_batch(8))
+                specs = [self._tx_spec(self.rng.randint(60, 1514), self.rng.randint(1, 8),
+                                       garbage_hdr=self.rng.random() < 0.5) for _ in range(k)]
+                done += self._round(specs, mutate=self._mutate)
+            total += done
+        tx.dq.c.use_indirect = 1 if tx.indirect_area else 0
+        return total
+
+    def _switch_rx(self, mode):
+        """Post a different kind of Rx buffer: small frames use up the posted ones first (no refill meanwhile)."""
+        rx = self.q[RX]
+        if self.loops is False:
+            return False
+        self.hold_rx = True
+        try:
+            while rx.inflight:
+                k = min(len(rx.inflight), len(self.q[TX].free_tokens), self.q[TX].dq.num_free)
+                self._wait(self._send([self._tx_spec(60, 1) for _ in range(k)]))
+                if self.loops is False:
+                    return False
+        finally:
+            self.hold_rx = False
+        self.rx_mode = mode
+        self._refill_rx()
+        return True
+
+    def _sc_rx_hdr_split(self):
+        if not self._switch_rx("hdr-split"):
+            return 0
+        total = 0
+        while total < self.o.ring_size:
+            k = self.rng.randint(1, self._max_batch())
+            total += self._round([self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(k)])
+        self._switch_rx("one")
+        return total
+
+    def _sc_mergeable(self):
+        if not self.mrg:
+            return 0
+        if not self._switch_rx("small"):
+            return 0
+        total = 0
+        while total < self.o.ring_size:
+            k = self.rng.randint(1, self._max_batch())
+            total += self._round([self._tx_spec(self.rng.choice((1514, self.rng.randint(60, 1514))), 1)
+                                  for _ in range(k)])
+        self._switch_rx("one")
+        return total
+
+    def _sc_notify_off(self):
+        total = 0
+        while total < self.o.ring_size:
+            k = self.rng.randint(1, self._max_batch())
+            total += self._round([self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(k)], call_mode="off")
+        return total
+
+    def _sc_spurious_kicks(self):
+        """EVT-17: 100 kicks on each queue with nothing new; nothing may be used, then traffic goes on."""
+        rx, tx = self.q
+        before = [q.view.used_idx if not q.packed else q.view.flags(q.used_pos) for q in self.q]
+        for _ in range(100):
+            for q in self.q:
+                os.eventfd_write(q.kickfd, 1)
+            time.sleep(0.0005)
+        time.sleep(0.05)
+        comps = tx.scan()
+        after = [q.view.used_idx if not q.packed else q.view.flags(q.used_pos) for q in self.q]
+        ok = not comps and before[TX] == after[TX]
+        self.report.check("EVT-17", ok, lambda: f"after 100 spurious kicks with nothing new the Tx queue changed "
+                          f"({before[TX]} -> {after[TX]}, {len(comps)} used)")
+        return self._round([self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(8)])
+
+    # -- the run ----------------------------------------------------------------------------------------------
+
+    def run(self):
+        """Connect, run the scenarios, stop the vrings. A usage or connection error before the rings run is raised
+        (the command prints one line); one after that ends the run and is reported with what was checked."""
+        r = self.report
+        try:
+            self._connect()
+            self.hdr = frames.hdr_size(self.features)
+            self._setup_memory()
+            early = self._start()
+            steps = {"start": lambda: self._sc_start(early), "batches": self._sc_batches,
+                     "chains": self._sc_chains, "rx-hdr-split": self._sc_rx_hdr_split,
+                     "mergeable": self._sc_mergeable, "notify-off": self._sc_notify_off,
+                     "spurious-kicks": self._sc_spurious_kicks}
+            for name in SCENARIOS:
+                if name in self.o.scenarios:
+                    self._scenario(name, steps[name])
+            try:
+                self.fe.stop()
+            except VringError as e:
+                r.notes.append(f"stopping the vrings: {type(e).__name__}: {e}")
+        except VringError as e:
+            if self.q[TX] is None:
+                raise
+            r.error = f"{type(e).__name__}: {e}"
+        finally:
+            if self.q[TX] is not None:
+                self._summarize()
+            self._close()
+        return r
+
+    def _summarize(self):
+        r = self.report
+        if self.o.layout == "spread" and self.q[TX] is not None and not self.o.packed:
+            if r.status("SPLIT-V-15") == "pass":
+                r.ok("SPLIT-L-01")
+                r.ok("SPLIT-L-02")
+        lost = len(self.sent) - len(self.received) if self.loops else 0
+        r.context["traffic"] = (f"{len(self.sent)} frames sent, {len(self.received)} came back, {self.foreign} "
+                                f"foreign, {lost} not back; batch entries covering >1 buffer: tx "
+                                f"{self.batched[TX]}, rx {self.batched[RX]}; kicks sent: tx {self.kicks[TX]}, rx "
+                                f"{self.kicks[RX]}")
+        if lost:
+            r.notes.append(f"{lost} frames did not come back (a device may drop; not a ring violation)")
+        for rid in IDS:
+            if r.status(rid) == "not exercised":
+                why = self._why_not(rid)
+                if why:
+                    r.set_note(rid, why)
+
+    def _why_not(self, rid):
+        """Why a row cannot be exercised with this configuration or this backend ('' when it could)."""
+        packed, ei, io, mrg = self.o.packed, self.event_idx, self.in_order, self.mrg
+        rules = [
+            (rid in SPLIT_ONLY and packed, "split rings only"),
+            (rid in PACKED_ONLY and not packed, "packed rings only"),
+            (rid in ("EVT-04", "EVT-05", "EVT-15", "EVT-24") and ei, "without EVENT_IDX only (--no-event-idx)"),
+            (rid in ("EVT-06", "EVT-07", "EVT-16", "EVT-23") and not ei, "with EVENT_IDX only (--event-idx)"),
+            (rid.startswith("INORDER-") and rid != "INORDER-15" and not io, "with IN_ORDER only (--in-order)"),
+            (rid in ("INORDER-15", "SPLIT-V-07") and io, "without IN_ORDER only (--no-in-order)"),
+            (rid in ("NET-27", "NET-28") and mrg, "without MRG_RXBUF only"),
+            (rid in ("NET-29", "NET-30", "NET-31", "PACKED-V-16") and not mrg, "with MRG_RXBUF only (--mrg-rxbuf)"),
+            (rid in ("SPLIT-V-05", "SPLIT-V-07", "PACKED-V-13", "PACKED-V-14", "PACKED-V-15")
+             and not has(self.features, VIRTIO_F_INDIRECT_DESC), "INDIRECT_DESC not negotiated"),
+            (rid in ("INORDER-07", "INORDER-08", "INORDER-10"), "the device wrote no batch entry"),
+            (rid == "GEN-01" and not self.fe.has_status, "STATUS not negotiated: DRIVER_OK is not visible"),
+        ]
+        return next((why for cond, why in rules if cond), "")
+
+    def _close(self):
+        if self.fe is not None:
+            self.fe.close()
+        for q in self.q:
+            if q is not None:
+                q.view = q.slots = q.dq = None
+        self.q = [None, None]
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None

@@ -1,0 +1,73 @@
+"""Frames the harnesses send, and how they recognise them when they come back.
+
+A frame is Ethernet/IPv4/UDP (virtio.packets.template) with a 16-byte stamp right after the UDP header:
+``MAGIC`` (4 bytes), a run id (4) and a sequence number (8). A forwarding peer may rewrite the MAC addresses
+(testpmd mac, macswap), so frames are compared from byte 12 on. Sizes are frame sizes without the FCS.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from vhost.datapath import hdr_len as hdr_size  # noqa: F401 (NET-02/03: one rule for both roles)
+from virtio.packets import template
+
+MAGIC = b"VRCF"
+STAMP_OFF = 42              # after Ethernet (14), IPv4 (20) and UDP (8)
+STAMP = struct.Struct("<4sIQ")
+MIN_FRAME = 60
+MAX_FRAME = 1514            # one Ethernet MTU; larger frames only where a peer merges buffers
+CMP_FROM = 12               # after the two MAC addresses
+
+NET_HDR = struct.Struct("<BBHHHHH")   # flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers
+VIRTIO_NET_HDR_F_NEEDS_CSUM = 1
+VIRTIO_NET_HDR_F_DATA_VALID = 2
+VIRTIO_NET_HDR_F_RSC_INFO = 4
+
+_templates: dict[int, bytes] = {}
+
+
+def make_frame(size, run_id, seq):
+    """A frame of ``size`` bytes carrying (run_id, seq)."""
+    size = max(size, MIN_FRAME)
+    t = _templates.get(size)
+    if t is None:
+        t = _templates[size] = template(size).tobytes()
+    return t[:STAMP_OFF] + STAMP.pack(MAGIC, run_id, seq) + t[STAMP_OFF + STAMP.size:]
+
+
+def stamp_of(frame, run_id):
+    """The sequence number of one of our frames of run ``run_id``, or None."""
+    if len(frame) < STAMP_OFF + STAMP.size:
+        return None
+    magic, rid, seq = STAMP.unpack_from(frame, STAMP_OFF)
+    return seq if magic == MAGIC and rid == run_id else None
+
+
+def same_frame(got, sent):
+    """True when ``got`` is ``sent`` up to the MAC addresses."""
+    return len(got) == len(sent) and got[CMP_FROM:] == sent[CMP_FROM:]
+
+
+def first_difference(got, sent):
+    """A short description of where two frames differ (for evidence)."""
+    if len(got) != len(sent):
+        return f"length {len(got)}, sent {len(sent)}"
+    a = np.frombuffer(got, np.uint8)[CMP_FROM:]
+    b = np.frombuffer(sent, np.uint8)[CMP_FROM:]
+    diff = np.nonzero(a != b)[0]
+    if not len(diff):
+        return "identical"
+    i = int(diff[0]) + CMP_FROM
+    return (f"{len(diff)} bytes differ, first at offset {i}: got {got[i:i + 8].hex()} "
+            f"sent {sent[i:i + 8].hex()}")
+
+
+def net_hdr(num_buffers=0, flags=0, gso_type=0, hdr_len=0, gso_size=0, csum_start=0, csum_offset=0):
+    return NET_HDR.pack(flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers)
+
+
+def parse_net_hdr(data):
+    """(flags, gso_type, hdr_len, gso_size, csum_start, csum_offset, num_buffers) of a 12-byte header."""
+    return NET_HDR.unpack_from(data, 0)
