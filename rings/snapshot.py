@@ -192,7 +192,7 @@ class _Decoded:
         self.indices, self.counts, self.chains, self.default, self.unknown = indices, counts, chains, default, unknown
 
 
-def _infer_published_packed(flags):
+def infer_published_packed(flags):
     """Where the driver's published descriptors end, from the flags alone: (next_avail, wrap, unpublished) or
     None. The driver writes slots in ring order with AVAIL = its wrap counter, so the AVAIL bits are wrap up
     to next_avail and the other value after it (PACKED-D-02/03); the device writes AVAIL = USED = the same
@@ -229,7 +229,7 @@ def _memory_packed(ring, in_order):
     lengths could tell."""
     n = ring.size
     flags = [ring.desc_flags(i) for i in range(n)]
-    inferred = _infer_published_packed(flags)
+    inferred = infer_published_packed(flags)
     if not isinstance(inferred, tuple):  # no single lap boundary: nothing can be said about ownership
         why = ("lap unknown: the AVAIL bits fit two places where a list may be kept back unpublished"
                if inferred == "ambiguous" else "lap unknown: the AVAIL bits do not show where the driver is")

@@ -3,7 +3,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench"]
+SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench", "tap"]
 
 
 def build_parser():
