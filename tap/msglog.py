@@ -67,13 +67,14 @@ def payload_json(msg, value, reply, packed=False):
         return None
     if isinstance(value, int):
         out = {"u64": value, "hex": hex(value)}
-        if msg.request in U64_FEATURES and (reply or msg.request == R.SET_FEATURES):
+        carries = vu.has_reply(msg.request) if reply else True  # a reply to a SET_* is an ack, not a value
+        if carries and msg.request in U64_FEATURES:
             out["names"] = feature_names(value)
-        elif msg.request in U64_PROTOCOL and (reply or msg.request == R.SET_PROTOCOL_FEATURES):
+        elif carries and msg.request in U64_PROTOCOL:
             out["names"] = [_protocol_name(b) for b in range(64) if value >> b & 1]
-        elif msg.request in U64_STATUS and (reply or msg.request == R.SET_STATUS):
+        elif carries and msg.request in U64_STATUS:
             out["names"] = _names(value, STATUS_NAMES)
-        elif reply or msg.need_reply:
+        elif reply:
             out["ack"] = "ok" if value == 0 else "NACK"
         return out
     if isinstance(value, list):
@@ -81,7 +82,7 @@ def payload_json(msg, value, reply, packed=False):
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
     out = dataclasses.asdict(value)
-    if msg.request in (R.SET_VRING_BASE, R.GET_VRING_BASE) and (reply or msg.request == R.SET_VRING_BASE):
+    if packed and msg.request in (R.SET_VRING_BASE, R.GET_VRING_BASE) and (reply or msg.request == R.SET_VRING_BASE):
         out["decoded"] = decode_base(value.num, packed)
     return out
 

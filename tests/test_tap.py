@@ -12,14 +12,13 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import dpkt
 import pytest
 
-from rings import ctl, rawdump
+from rings import ctl
 from rings import vhost_user as vu
 from rings.pcap import PcapWriter
 from tap.msglog import MessageLog, decode_file
@@ -28,8 +27,9 @@ from tap.picture import Picture
 from tap.proxy import Endpoint, Tap
 from vring import cli
 
+from procs import Procs, wait_for
+
 R = vu.VhostUserRequest
-VRING = [sys.executable, "-m", "vring.cli"]
 TSHARK = shutil.which("tshark")
 
 
@@ -182,39 +182,11 @@ def test_tap_notify_tap_counts_times_and_forwards(around, tmp_path):
 
 # --- our own driver and backend through the tap ----------------------------------------------------------------
 
-class Procs:
-    def __init__(self):
-        self.procs = []
-
-    def start(self, *args):
-        p = subprocess.Popen(VRING + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.procs.append(p)
-        return p
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.communicate(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.communicate()
-
-
 @pytest.fixture
 def procs():
     p = Procs()
     yield p
     p.close()
-
-
-def wait_for(path, proc, timeout=20.0):
-    t0 = time.monotonic()
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"process exited early: {proc.communicate()}"
-        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 def run_driver(procs, sock, *args):
@@ -273,6 +245,12 @@ def test_tap_between_our_driver_and_backend(procs, tmp_path, capsys):
     assert cli.main(["dump", "--ctl", tctl, "rx", "--no-descriptors"]) == 0
     out = capsys.readouterr().out
     assert "tap: vring 0 (rx), connection 2 (gone), disconnected" in out and "split memory queue" in out
+    saved = str(tmp_path / "tx.raw")  # --raw and --watch work on the tap as on our own processes
+    assert cli.main(["dump", "--ctl", tctl, "tx", "--raw", saved, "--watch", "0.05", "--count", "2", "--json"]) == 0
+    samples = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(samples) == 2 and samples[0][0]["meta"]["vring"] == 1
+    assert cli.main(["dump", "--from", saved]) == 0
+    assert "tap: GET_VRING_BASE reply 300: where the backend stopped" in capsys.readouterr().out
     tap.send_signal(signal.SIGTERM)
     _, err = tap.communicate(timeout=20)
     assert tap.returncode == 0 and not os.path.exists(a) and not os.path.exists(tctl)

@@ -22,6 +22,7 @@ import numpy as np
 
 from rings.errors import PeerGone
 from rings.layout import feature_names
+from rings.pcap import PcapWriter
 
 from . import packets
 from ._net import ffi, lib
@@ -29,7 +30,6 @@ from .frontend import VhostUserFrontend, want_features
 from rings.ctl import ControlServer
 
 from .net import NetQueues
-from rings.pcap import PcapWriter
 
 
 @dataclass
@@ -326,12 +326,13 @@ class _Loop:
         it = 0
         gen, t, p_idx, p_lens, p_tmpl, plen = lib.vn_gen_tx, tx.c, self.p_idx, self.p_lens, self.p_tmpl, self.plen
         seq_off, ts_off, stamp, b = packets.SEQ_OFF, packets.TS_OFF, int(cfg.stamp), cfg.burst
+        pcap = self.pcap
         while t.packets < limit:
             n = b if limit - t.packets >= b else int(limit - t.packets)
             sent = gen(t, p_idx, n, p_tmpl, plen, self.seq, seq_off, stamp, ts_off, p_lens)
             self.seq += sent
-            if self.pcap is not None:
-                self._cap(self.idx[:sent])  # in flight now: nothing writes them before they come back
+            if pcap is not None:  # in flight now: nothing writes them before they come back
+                self._cap(self.idx[:sent])
             if t.q.error:
                 tx.vq._fail()
             it += 1
