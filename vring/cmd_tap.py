@@ -78,7 +78,7 @@ def run(args):
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
-    log = notify = ctl = capture = None
+    log = notify = ctl = capture = frontend = backend = None
     try:
         ctl = ControlServer(args.ctl) if args.ctl else None
         picture = Picture(notify_tap=args.notify_tap,
@@ -99,6 +99,9 @@ def run(args):
     except (VringError, OSError) as e:
         raise SystemExit(f"vring tap: {' '.join(str(e).split())}")
     finally:
+        for side in (frontend, backend):  # serve() closes them; this covers a failure before it runs
+            if side is not None:
+                side.close()
         if capture is not None:
             capture.stop()
             st = capture.stats()
