@@ -188,8 +188,18 @@ def _packed(f, snap, side):
         stuck = not used and f.still("indices:last_used", "indices:used_wrap")
     else:
         if side == "memory" and ix.get("next_avail") is None:
-            f.add("error", "avail_bits", "the AVAIL bits of the descriptors do not form two runs (one lap "
-                  "boundary): ring memory is corrupt or the driver does not write slots in order")
+            if any("kept back" in c["state"] for c in snap["chains"]):
+                f.add("info", "avail_bits", "the AVAIL bits fit two places where the driver may keep a list "
+                      "back unpublished: where it is cannot be read from memory")
+            else:
+                f.add("error", "avail_bits", "the AVAIL bits of the descriptors do not form two runs (one lap "
+                      "boundary): ring memory is corrupt or the driver does not write slots in order")
+        unpublished = [c for c in snap["chains"] if c["state"].startswith("written, not published")]
+        if unpublished:
+            c = unpublished[0]
+            f.add("warning" if f.prev is not None and f.prev.get("descriptors") == snap["descriptors"] else "info",
+                  "unpublished", f"{len(c['slots'])} descriptors written but not published: the head flags at "
+                  f"slot {c['head']} are kept back")
         if side == "device":
             waiting = _chains(snap, "available, not polled")
             stuck = f.still("indices:last_avail", "indices:avail_wrap")

@@ -53,6 +53,12 @@ def feature_names(features):
     return [FEATURE_NAMES.get(b, f"bit{b}") for b in range(64) if features >> b & 1]
 
 
+def virtio_net_hdr_size(features):
+    """NET-02/NET-03: the virtio-net header is 12 bytes with VERSION_1, MRG_RXBUF or RING_PACKED, else 10."""
+    return 12 if (has(features, VIRTIO_F_VERSION_1) or has(features, VIRTIO_NET_F_MRG_RXBUF)
+                  or has(features, VIRTIO_F_RING_PACKED)) else 10
+
+
 # Descriptor flags (SPLIT-L-03, PACKED-L-02)
 VIRTQ_DESC_F_NEXT = 1
 VIRTQ_DESC_F_WRITE = 2

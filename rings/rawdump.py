@@ -143,7 +143,11 @@ def _kind(q):
 
 def capture(q, meta=None):
     """Copy a live queue half now. Reads only; safe while another thread runs the data path (the copy may
-    then mix values from a few descriptors apart, never crash)."""
+    then mix values from a few descriptors apart, never crash). A ``q`` with side 'memory' (an observer of
+    someone else's rings: ``q.mem``, ``q.layout``, ``q.features`` and optional ``q.meta``) is copied as ring
+    memory alone."""
+    if getattr(q, "side", "") == "memory":
+        return capture_memory(q.mem, q.layout, q.features, meta={**getattr(q, "meta", {}), **(meta or {})})
     kind = _kind(q)
     st = {k: int(v) for k, v in q.state().items()}
     arrays = {name: np.array(getattr(q, name), dtype=dtype) for name, dtype in _ARRAYS[kind]}
@@ -168,7 +172,9 @@ def _copy_areas(mem, layout):
 
 
 def loads(data):
-    """A RawSnapshot from the bytes of a file written by dumps/save (ConfigError if they are not one)."""
+    """A RawSnapshot from the bytes of a file written by dumps/save. Every header key, type and range is
+    checked before anything is decoded (``_check_header``); a file that is not one, or is damaged, raises
+    ConfigError with a one-line message."""
     data = bytes(data)
     if not data.startswith(MAGIC):
         raise errors.ConfigError("not a vring raw snapshot (bad magic)")
@@ -176,37 +182,139 @@ def loads(data):
     if end < 0:
         raise errors.ConfigError("vring raw snapshot: header line not terminated")
     try:
-        h = json.loads(data[len(MAGIC):end])
-        lay = h["layout"]
+        h = json.loads(data[len(MAGIC):end].decode("utf-8"))
+    except RecursionError:
+        raise errors.ConfigError("vring raw snapshot: bad header: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise errors.ConfigError(f"vring raw snapshot: bad header: {_one_line(e)}") from None
+    kind, layout, blob_list = _check_header(h)
+    pos, blobs = end + 1, {}
+    for b in blob_list:
+        dt = np.dtype(b["dtype"])
+        n = b["count"] * dt.itemsize
+        if pos + n > len(data):
+            raise errors.ConfigError(f"vring raw snapshot: blob {b['name']} is truncated")
+        blobs[b["name"]] = data[pos:pos + n] if b["name"] in _AREAS else np.frombuffer(data, dt, b["count"], pos).copy()
+        pos += n
+    if pos != len(data):
+        raise errors.ConfigError(f"vring raw snapshot: {len(data) - pos} bytes after the last blob")
+    n = layout.size
+    for name, top in _ARRAY_LIMITS[kind].items():
+        if top is not None and int(blobs[name].max(initial=0)) > top(n):
+            raise errors.ConfigError(f"vring raw snapshot: {name} holds {int(blobs[name].max())}, more than "
+                                     f"{top(n)} (queue size {n})")
+    arrays = {name: blobs[name] for name, _ in _ARRAYS[kind]}
+    areas = {name: blobs[name] for name in _AREAS}
+    return RawSnapshot(kind, layout, h["features"], h["in_order"], h["state"], areas, arrays, h["broken"],
+                       h["time"], h["meta"])
+
+
+_AREAS = ("desc", "driver", "device")
+_U16, _U64 = 0xFFFF, (1 << 64) - 1
+_MAX_TIME = 253402300799  # 9999-12-31: what localtime() can still print
+# per kind: the state keys the decoders read, and their largest value (a function of the queue size n and
+# the format; None: any u64). Implementations may add keys (ints too).
+_STATE = {
+    "driver": {"next_avail": lambda n, packed: n - 1 if packed else _U16, "avail_wrap": lambda n, p: 1,
+               "last_used": lambda n, packed: n - 1 if packed else _U16, "used_wrap": lambda n, p: 1,
+               "num_free": lambda n, p: n, "inflight": lambda n, p: n, "kick_added": None},
+    "device": {"last_avail": lambda n, packed: n - 1 if packed else _U16, "avail_wrap": lambda n, p: 1,
+               "used_idx": lambda n, packed: n - 1 if packed else _U16, "used_wrap": lambda n, p: 1,
+               "call_added": None, "inflight": lambda n, p: n, "shadow_count": lambda n, p: n},
+    "memory": {},
+}
+# the largest value of each per-id array (None: any)
+_ARRAY_LIMITS = {
+    "driver": {"id_inflight": lambda n: 1, "id_ndesc": lambda n: n, "id_wlen": None,
+               "free_next": lambda n: n, "id_token": None},
+    "device": {"id_inflight": lambda n: 2, "id_ndesc": lambda n: n, "id_wlen": None},
+    "memory": {},
+}
+
+
+def _one_line(e):
+    return " ".join(str(e).split())
+
+
+def _int(v, lo, hi):
+    return type(v) is int and lo <= v <= hi
+
+
+def _bad(what):
+    return errors.ConfigError(f"vring raw snapshot: bad header: {what}")
+
+
+def _check_header(h):
+    """Check every key, type and range of a decoded header; returns (kind, QueueLayout, blob list)."""
+    if not isinstance(h, dict):
+        raise _bad("not a JSON object")
+    want = {"kind", "time", "layout", "features", "in_order", "broken", "state", "meta", "blobs"}
+    if want - set(h):
+        raise _bad(f"missing {', '.join(sorted(want - set(h)))}")
+    if set(h) - want:
+        raise _bad(f"unknown key {sorted(set(h) - want)[0]!r}")
+    kind = h["kind"]
+    if not isinstance(kind, str) or kind not in _ARRAYS:
+        raise _bad(f"kind must be driver, device or memory, not {_one_line(repr(kind))[:40]}")
+    t = h["time"]
+    if type(t) not in (int, float) or not 0 <= t <= _MAX_TIME:  # NaN and inf fail the comparison too
+        raise _bad(f"time must be Unix seconds (0..{_MAX_TIME}), not {_one_line(repr(t))[:40]}")
+    lay = h["layout"]
+    if not isinstance(lay, dict) or set(lay) != {"fmt", "size", "desc", "driver", "device"}:
+        raise _bad("layout must be an object with fmt, size, desc, driver, device")
+    if lay["fmt"] not in ("split", "packed") or not _int(lay["size"], 1, 32768):
+        raise _bad(f"layout: fmt {_one_line(repr(lay['fmt']))[:20]} / size {_one_line(repr(lay['size']))[:20]} "
+                   f"is not a ring format and queue size")
+    sizes = dict(zip(_AREAS, area_sizes(lay["fmt"], lay["size"])))
+    for name in _AREAS:
+        if not _int(lay[name], 0, _U64 + 1 - sizes[name]):
+            raise _bad(f"layout: {name} must be a guest address with its area below 2^64, "
+                       f"not {_one_line(repr(lay[name]))[:30]}")
+    try:
         layout = QueueLayout(lay["fmt"], lay["size"], lay["desc"], lay["driver"], lay["device"])
-        kind = h["kind"]
-        if kind not in _ARRAYS:
-            raise errors.ConfigError(f"vring raw snapshot: unknown kind {kind!r}")
-        pos, blobs = end + 1, {}
-        for b in h["blobs"]:
-            dt = np.dtype(b["dtype"])
-            n = int(b["count"]) * dt.itemsize
-            if pos + n > len(data):
-                raise errors.ConfigError(f"vring raw snapshot: blob {b['name']} is truncated")
-            blobs[b["name"]] = data[pos:pos + n] if dt == np.uint8 and b["name"] in ("desc", "driver", "device") \
-                else np.frombuffer(data, dt, int(b["count"]), pos).copy()
-            pos += n
-        sizes = dict(zip(("desc", "driver", "device"), area_sizes(layout.fmt, layout.size)))
-        for name, nbytes in sizes.items():
-            if len(blobs.get(name, b"")) != nbytes:
-                raise errors.ConfigError(f"vring raw snapshot: area {name} is not {nbytes} bytes")
-        arrays = {}
-        for name, _ in _ARRAYS[kind]:
-            if name not in blobs or len(blobs[name]) != layout.size:
-                raise errors.ConfigError(f"vring raw snapshot: array {name} missing or not {layout.size} long")
-            arrays[name] = blobs[name]
-        areas = {name: blobs[name] for name in sizes}
-        return RawSnapshot(kind, layout, h["features"], h["in_order"], h["state"], areas, arrays,
-                           h.get("broken"), h.get("time"), h.get("meta"))
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, errors.ConfigError):
-            raise
-        raise errors.ConfigError(f"vring raw snapshot: bad header: {e}") from None
+    except errors.ConfigError as e:
+        raise _bad(f"layout: {e}") from None
+    if not _int(h["features"], 0, _U64):
+        raise _bad("features must be an integer 0..2^64-1")
+    if type(h["in_order"]) is not bool or h["in_order"] != bool(h["features"] >> 35 & 1):
+        raise _bad("in_order must be a boolean and agree with feature bit 35 (IN_ORDER)")
+    if (lay["fmt"] == "packed") != bool(h["features"] >> 34 & 1):
+        raise _bad("the ring format must agree with feature bit 34 (RING_PACKED)")
+    b = h["broken"]
+    if b is not None and not (isinstance(b, dict) and set(b) == {"error", "message"}
+                              and isinstance(b["error"], str) and b["error"].isidentifier()
+                              and isinstance(b["message"], str)):
+        raise _bad("broken must be null or {error: a class name, message: text}")
+    st = h["state"]
+    if not isinstance(st, dict):
+        raise _bad("state must be an object")
+    rules = _STATE[kind]
+    if kind == "memory" and st:
+        raise _bad("a memory snapshot has no private state")
+    missing = set(rules) - set(st)
+    if missing:
+        raise _bad(f"state: missing {', '.join(sorted(missing))}")
+    for k, v in st.items():
+        top = rules.get(k)
+        top = _U64 if top is None else top(lay["size"], lay["fmt"] == "packed")
+        if not isinstance(k, str) or not _int(v, 0, top):
+            raise _bad(f"state: {_one_line(repr(k))[:30]} must be an integer 0..{top}, "
+                       f"not {_one_line(repr(v))[:30]}")
+    meta = h["meta"]
+    if not isinstance(meta, dict) or not isinstance(meta.get("name", ""), str) \
+            or not _int(meta.get("pid", 0), 0, 1 << 31) \
+            or not (isinstance(meta.get("notes", []), list) and all(isinstance(x, str) for x in meta.get("notes", []))):
+        raise _bad("meta must be an object (name: text, pid: integer, notes: list of text)")
+    blobs = h["blobs"]
+    expected = [(name, "u1", sizes[name]) for name in _AREAS] + \
+               [(name, dtype, lay["size"]) for name, dtype in _ARRAYS[kind]]
+    if not isinstance(blobs, list) or len(blobs) != len(expected):
+        raise _bad(f"blobs must list {', '.join(name for name, _, _ in expected)}")
+    for b, (name, dtype, count) in zip(blobs, expected):
+        if not isinstance(b, dict) or b != {"name": name, "dtype": dtype, "count": count}:
+            raise _bad(f"blob {name} must be {{name: {name}, dtype: {dtype}, count: {count}}}, "
+                       f"not {_one_line(repr(b))[:60]}")
+    return kind, layout, blobs
 
 
 def load(path):

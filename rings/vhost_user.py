@@ -777,12 +777,13 @@ class Connection:
                 fds.extend(got)
         return data, bool(mflags & socket.MSG_CTRUNC)
 
-    def recv(self, timeout: float | None = None) -> Message:
+    def recv(self, timeout: float | None = None, strict: bool = True) -> Message:
         """Read one message: the 12-byte header with ``recvmsg`` (collecting fds), then the payload, looping on
         short reads. ``timeout`` covers the whole message.
 
         Checks the framing only: version bits == 1, size <= MAX_PAYLOAD, at most 8 fds (MSG_CTRUNC). It does not
-        check the request id or per-request rules (see ``decode``). Raises PeerGone on EOF or reset,
+        check the request id or per-request rules (see ``decode``); ``strict=False`` skips the version check too
+        (a transparent proxy passes such a message on for the peer to judge). Raises PeerGone on EOF or reset,
         ProtocolTimeout, ProtocolError; the fds of a rejected message are closed."""
         sock = self._check()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -829,7 +830,7 @@ class Connection:
             if truncated:
                 raise ProtocolError(f"{name}: control data truncated (more than {MAX_FDS} fds); "
                                     f"received fds closed")
-            if (flags & VERSION_MASK) != VERSION:
+            if strict and (flags & VERSION_MASK) != VERSION:
                 raise ProtocolError(f"{name}: version bits are {flags & VERSION_MASK}, expected {VERSION} "
                                     f"(flags {flags:#x})")
         except BaseException:

@@ -1,7 +1,6 @@
 """`vring dump --ctl` against live processes: `vring vhost` and `vring driver` moving packets, each
 answering on its control socket while the data path runs (issue 5: attach without stopping the queue)."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,15 +10,9 @@ import pytest
 
 from rings import ctl
 
+from procs import wait_for
+
 VRING = [sys.executable, "-m", "vring.cli"]
-
-
-def wait_for(path, proc, timeout=20.0):
-    t0 = time.monotonic()
-    while not os.path.exists(path):
-        assert proc.poll() is None, f"process exited early: {proc.communicate()}"
-        assert time.monotonic() - t0 < timeout, f"{path} never appeared"
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("fmt", ["split", "packed"])

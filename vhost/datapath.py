@@ -9,7 +9,8 @@ when the object is built; nothing is allocated per packet or per burst.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class Options:
     fwd: str = "macswap"              # 'macswap' | 'io' | 'rxonly'
     pkt_size: int = 2048              # bytes per backend packet buffer (larger packets are dropped)
     timing: bool = False              # count busy_ns: the time of iterations that moved packets
+    pcap: object = field(default=None, compare=False, repr=False)  # rings.pcap.PcapWriter: capture per burst
 
     def __post_init__(self):
         if not 1 <= self.burst <= 1024:
@@ -159,10 +161,35 @@ class Datapath:
     def run(self, budget_us=500, max_iters=1 << 20):
         """Poll for about ``budget_us`` microseconds. Returns the RingErrors that broke a queue in this slice
         (as ``{vring index: error}``; the queue is then left alone, the other keeps running)."""
-        broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
+        if self.options.pcap is not None and not self.options.pcap.full:
+            broken = self._run_captured(budget_us)
+        else:
+            broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
         if broken != self._reported:
             return self._collect(broken)
         return {}
+
+    def _run_captured(self, budget_us):
+        """--pcap: one dequeue burst at a time from Python, its frames written, then flushed into the Rx queue
+        (so while capturing the intermediate queue drains after every burst). Each frame is written as the
+        driver sent it (with macswap, the swap is undone on the copy) and, unless the Rx queue had no room for
+        it, as the driver receives it."""
+        n, size, w = self.n, self.options.pkt_size, self.options.pcap
+        end = time.monotonic() + budget_us / 1e6
+        while not n.broken and not w.full:
+            first = int(n.npkts)
+            got = lib.vh_dequeue(n)
+            frames = [bytes(self._pkt_data[i * size:i * size + int(self._pkt_len[i])])
+                      for i in range(first, int(n.npkts))]
+            now, dropped = time.time_ns(), int(n.st.rx_dropped)
+            for f in frames:
+                w.write(f[6:12] + f[:6] + f[12:] if self.options.fwd == "macswap" and len(f) >= 12 else f, now)
+            lib.vh_txq_flush(n)
+            for f in frames[:len(frames) - (int(n.st.rx_dropped) - dropped)]:  # the Rx queue drops the tail
+                w.write(f, now)
+            if got <= 0 or time.monotonic() >= end:
+                break
+        return n.broken
 
     def step(self):
         """One poll iteration (tests)."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from rings.errors import PeerGone
 from rings.layout import feature_names
+from rings.pcap import PcapWriter
 
 from . import packets
 from ._net import ffi, lib
@@ -60,6 +61,8 @@ class DriverConfig:
     nbufs: int = 0
     buf_size: int = 2048      # pool buffer size (headroom 128 included); small buffers make Rx merge
     ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
+    pcap: str | None = None   # write the frames sent and received (Python once per burst while capturing)
+    pcap_count: int = 10000   # at most this many frames (0: no limit)
 
 
 def pin_all_threads(cpu):
@@ -98,7 +101,7 @@ def run(cfg: DriverConfig, on_ready=None):
     want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
                          MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
     fe = VhostUserFrontend(cfg.socket, timeout=cfg.timeout)
-    nq = ctl = None
+    nq = ctl = pcap = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     result = {"config": asdict(cfg)}
@@ -118,7 +121,9 @@ def run(cfg: DriverConfig, on_ready=None):
                       protocol_features=fe.protocol)
         if on_ready:
             on_ready()
-        loop = _Loop(cfg, nq, stop, fe.conn.sock)
+        if cfg.pcap:
+            pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
+        loop = _Loop(cfg, nq, stop, fe.conn.sock, pcap)
         t0 = time.monotonic()
         loop.run()
         elapsed = time.monotonic() - t0
@@ -128,6 +133,8 @@ def run(cfg: DriverConfig, on_ready=None):
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
         result.update(loop.summary(elapsed))
         result.update(nq.counters())
+        if pcap is not None:
+            result["pcap"] = pcap.stats()
         return result
     finally:
         for s, h in old.items():
@@ -140,6 +147,8 @@ def run(cfg: DriverConfig, on_ready=None):
         fe.close()
         if ctl is not None:
             ctl.close()
+        if pcap is not None:
+            pcap.close()
         if nq is not None:
             nq.close()
 
@@ -167,8 +176,9 @@ def latency_summary(lat):
 
 
 class _Loop:
-    def __init__(self, cfg, nq, stop, ctl=None):
+    def __init__(self, cfg, nq, stop, ctl=None, pcap=None):
         self.cfg, self.nq, self.stop = cfg, nq, stop
+        self.pcap = pcap               # rings.pcap.PcapWriter: the loops run a burst at a time from Python
         self.ctl = ctl                 # the vhost-user socket: watched for the backend going away
         self.next_watch = 0.0
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
@@ -203,8 +213,16 @@ class _Loop:
         self.seq += k
         return k
 
+    def _cap(self, idx):
+        """--pcap: the frames of these buffers as they are now (received, or about to be sent)."""
+        if self.pcap is not None and not self.pcap.full:
+            t = time.time_ns()
+            for b in idx:
+                self.pcap.write(self.nq.pool.data(b), t)
+
     def _send_all(self, k, deadline):
         """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest."""
+        self._cap(self.idx[:k])
         tx, sent = self.nq.tx, 0
         while sent < k:
             sent += tx.burst(self.idx[sent:k], self.lens[sent:k])
@@ -248,7 +266,7 @@ class _Loop:
     def _run_macfwd(self, deadline):
         rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
         p_idx, p_lens = self.p_idx, self.p_lens
-        if self.cfg.verify or self.cfg.wait:
+        if self.cfg.verify or self.cfg.wait or self.pcap is not None:
             it = 0
             while True:
                 it += 1
@@ -262,10 +280,12 @@ class _Loop:
                         self.nq.rx.wait(0.1)
                     continue
                 self._check(n)
+                self._cap(self.idx[:n])
                 if self.lat is not None:
                     lib.vn_lat_update(self.lat, self.nq.pool.c, p_idx, n)
                 lib.vn_macswap(self.nq.pool.c, p_idx, n)
                 sent = self.nq.tx.burst(self.idx[:n], self.lens[:n])
+                self._cap(self.idx[:sent])  # in flight: unchanged until they come back
                 if sent < n:
                     self.nq.pool.free(self.idx[sent:n])
                     tx.dropped += n - sent
@@ -307,9 +327,13 @@ class _Loop:
         it = 0
         gen, t, p_idx, p_lens, p_tmpl, plen = lib.vn_gen_tx, tx.c, self.p_idx, self.p_lens, self.p_tmpl, self.plen
         seq_off, ts_off, stamp, b = packets.SEQ_OFF, packets.TS_OFF, int(cfg.stamp), cfg.burst
+        pcap = self.pcap
         while t.packets < limit:
             n = b if limit - t.packets >= b else int(limit - t.packets)
-            self.seq += gen(t, p_idx, n, p_tmpl, plen, self.seq, seq_off, stamp, ts_off, p_lens)
+            sent = gen(t, p_idx, n, p_tmpl, plen, self.seq, seq_off, stamp, ts_off, p_lens)
+            self.seq += sent
+            if pcap is not None:  # in flight now: nothing writes them before they come back
+                self._cap(self.idx[:sent])
             if t.q.error:
                 tx.vq._fail()
             it += 1
@@ -320,13 +344,14 @@ class _Loop:
         cfg, rx = self.cfg, self.nq.rx
         limit = cfg.count or float("inf")
         it = 0
-        if cfg.verify or cfg.wait:
+        if cfg.verify or cfg.wait or self.pcap is not None:
             while rx.c.packets < limit:
                 n = lib.vn_rx_burst(rx.c, self.p_idx, self.p_lens, cfg.burst)
                 if n < 0:
                     rx.vq._fail()
                 if n:
                     self._check(n)
+                    self._cap(self.idx[:n])
                     lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
                 elif cfg.wait:
                     rx.wait(0.1)
@@ -362,6 +387,7 @@ class _Loop:
             self.nq.rx.vq._fail()
         if n:
             self._check(n)
+            self._cap(self.idx[:n])
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n

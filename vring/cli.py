@@ -3,7 +3,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench", "conform"]
+SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench", "conform", "tap"]
 
 
 def build_parser():

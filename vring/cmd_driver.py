@@ -52,6 +52,10 @@ def register(sub):
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
     p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
+    p.add_argument("--pcap", metavar="FILE", help="write the frames sent and received (pcap; the loop then runs "
+                   "Python once per burst)")
+    p.add_argument("--pcap-count", type=int, default=10000, metavar="N",
+                   help="with --pcap: stop capturing after N frames (default %(default)s; 0: no limit)")
     p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
                    help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
     p.add_argument("--dst-mac", default=DriverConfig.dst_mac)
@@ -67,7 +71,7 @@ def main(args):
         burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
-        ctl=args.ctl)
+        ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count)
     rawdump.set_snapshot_dir(args.snapshot_dir)
     try:
         res = run(cfg)
@@ -89,4 +93,6 @@ def main(args):
             print(f"latency: {res['latency']}")
         if "verify" in res:
             print(f"verify: {res['verify']}")
+        if "pcap" in res:
+            print(f"pcap: {res['pcap']}")
     return 0

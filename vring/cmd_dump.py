@@ -71,8 +71,8 @@ def run(args):
             return _loop(args, source)
         finally:
             source.close()
-    except (VringError, OSError, ValueError) as e:
-        raise SystemExit(f"vring dump: {e}")
+    except (VringError, OSError, ValueError) as e:  # one line, exit status 1 (damaged files included)
+        raise SystemExit("vring dump: " + " ".join(str(e).split()))
 
 
 # --- sources: each gives [(name, RawSnapshot)] per sample ------------------------------------------------
@@ -200,6 +200,8 @@ def _print(args, out):
     for name, raw, snap, findings in out:
         when = time.strftime("%H:%M:%S", time.localtime(raw.time)) + f".{int(raw.time * 1000) % 1000:03d}"
         print(f"== {name} at {when}" + (f" (pid {raw.meta['pid']})" if "pid" in raw.meta else ""))
+        for note in raw.meta.get("notes", ()):  # what the process that took it knows besides memory (vring tap)
+            print(note)
         text = format_snapshot(snap)
         if args.no_descriptors:
             text = text[:text.rindex("\n" + f"{'slot':>5}")]

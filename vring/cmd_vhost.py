@@ -44,6 +44,10 @@ def register(sub):
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
     p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
                    help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
+    p.add_argument("--pcap", metavar="FILE", help="write the frames taken off and put on the rings (pcap; "
+                   "captured one burst at a time, which drains the intermediate queue after every burst)")
+    p.add_argument("--pcap-count", type=int, default=10000, metavar="N",
+                   help="with --pcap: stop capturing after N frames (default %(default)s; 0: no limit)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.set_defaults(run=run)
 
@@ -54,12 +58,16 @@ def run(args):
 
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose + 1, 2), stream=sys.stderr,
                         format="%(asctime)s vhost %(levelname)s %(message)s")
+    pcap = None
     try:
+        if args.pcap:
+            from rings.pcap import PcapWriter
+            pcap = PcapWriter(args.pcap, args.pcap_count or None)
         opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
                        in_order_batch=args.in_order_batch, txq_threshold=args.txq_threshold,
                        txq_flush=args.txq_flush, fwd=args.fwd, pkt_size=args.pkt_size,
-                       timing=args.timing)
-    except ConfigError as e:
+                       timing=args.timing, pcap=pcap)
+    except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"vring vhost: {e}")
     if args.pin is not None:
         try:
@@ -88,4 +96,8 @@ def run(args):
     finally:
         if ctl is not None:
             ctl.close()
+        if pcap is not None:
+            pcap.close()
+            print(f"vring vhost: pcap {pcap.path}: {pcap.written} frames" +
+                  (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else ""), file=sys.stderr)
     return 0

@@ -1,0 +1,54 @@
+"""Packet capture files: the frames that cross the rings, in the classic pcap format (Ethernet link type,
+microsecond timestamps) that tcpdump, tshark and Wireshark read.
+
+``PcapWriter(path, count)`` writes at most ``count`` frames (None: no limit) and counts what it had to
+leave out. The frames handed to it are Ethernet frames: the virtio-net header already stripped. Used by
+``vring tap --pcap`` (frames read from a peer's rings), ``vring driver --pcap`` and ``vring vhost --pcap``
+(frames of their own bursts). The file layout is dpkt's (a small, long-lived pure-Python library): we
+hand it whole frames with their time, truncated to whole microseconds first so that its rounding never
+produces a microsecond field of 1000000.
+"""
+import os
+
+import dpkt
+
+SNAPLEN = 262144  # tcpdump's default; a virtio-net frame (64 KiB + header at most) always fits whole
+
+
+class PcapWriter:
+    def __init__(self, path, count=None):
+        if count is not None and count < 0:
+            raise ValueError(f"pcap count must be >= 0, not {count}")
+        self.path = os.fspath(path)
+        self.limit = count
+        self.written = 0
+        self.left_out = 0  # frames offered after the limit was reached
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # packet data: private
+        self._f = os.fdopen(fd, "wb")
+        self._w = dpkt.pcap.Writer(self._f, snaplen=SNAPLEN, linktype=dpkt.pcap.DLT_EN10MB)
+
+    @property
+    def full(self):
+        return self.limit is not None and self.written >= self.limit
+
+    def write(self, frame, t_ns):
+        """One frame seen at ``t_ns`` (time.time_ns()). False if the limit had been reached."""
+        if self._f is None or self.full:
+            self.left_out += 1
+            return False
+        sec, ns = divmod(int(t_ns), 1_000_000_000)
+        self._w.writepkt_time(bytes(frame[:SNAPLEN]), sec + (ns // 1000) / 1e6)
+        self.written += 1
+        return True
+
+    def flush(self):
+        if self._f is not None:
+            self._f.flush()
+
+    def close(self):
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def stats(self):
+        return {"path": self.path, "written": self.written, "limit": self.limit, "left_out": self.left_out}

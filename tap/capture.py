@@ -1,0 +1,394 @@
+"""`vring tap --pcap FILE`: the frames crossing the peers' rings, read passively from the mapped memory.
+
+One thread polls every started vring. It follows the driver's side of each ring (split: avail.idx and the
+avail ring; packed: the descriptors made available, slot by slot with the driver's wrap counter) and
+records each buffer's segments as it is published; when the device's used entry for a buffer appears
+(split: used.idx moves, with IN_ORDER a batch per entry, INORDER-06..09; packed: a used descriptor at the
+device's position, IN_ORDER batches by the last id, INORDER-11..14), the buffer's bytes are read at once,
+the virtio-net header stripped (mergeable Rx buffers joined by num_buffers, NET-29..32) and the frame
+written, timestamped when the tap saw the used entry. vring 2k is the driver's Rx queue (the device wrote
+the frame), 2k+1 its Tx queue (the driver did).
+
+The tap is a bystander: it never blocks either peer, so it can fall behind. What it may miss is counted
+per vring and said (``vring dump --ctl`` notes, the tap's exit line):
+
+* ``lapped``: split entries the ring overwrote before the tap looked (the index moved more than the ring
+  size between two looks; a lower bound: an index that moves by 65536 or more looks unmoved);
+* ``lost``: buffers whose publication or completion the tap did not see in order (packed: the tap's
+  cursors no longer match the ring; it starts again from the driver's published position, and the buffers
+  in flight then are not captured);
+* ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame;
+* ``not_seen_published``: a used entry for a buffer the tap never saw published.
+
+A peer that reuses a buffer faster than the tap reads it can change the bytes under the tap: the frames
+are what the memory held when the tap saw the used entry. A ring that goes round twice between two looks
+can also look unchanged (the packed wrap counter is one bit).
+"""
+import struct
+import threading
+import time
+from collections import defaultdict, deque
+
+from rings.errors import VringError
+from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT,
+                          VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, area_sizes, has,
+                          virtio_net_hdr_size)
+from rings.snapshot import infer_published_packed
+
+_DESC = struct.Struct("<QIHH")
+_U16 = struct.Struct("<H")
+_ELEM = struct.Struct("<II")
+MAX_FRAME = 65536 + 64
+
+
+class _Ring:
+    """Common to both formats: memory views, the frame assembly, the counters."""
+
+    def __init__(self, layout, ring_mem, buf_mem, features, rx):
+        self.n = layout.size
+        dsz, drv, dev = area_sizes(layout.fmt, layout.size)
+        self.desc = ring_mem.view(layout.desc, dsz)
+        self.avail = ring_mem.view(layout.driver, drv)
+        self.used = ring_mem.view(layout.device, dev)
+        self.buf_mem, self.rx = buf_mem, rx
+        self.in_order = has(features, VIRTIO_F_IN_ORDER)
+        self.hdr = virtio_net_hdr_size(features)
+        self.mrg = rx and has(features, VIRTIO_NET_F_MRG_RXBUF)
+        self.pending = None          # Rx, mergeable: [frame bytes so far, buffers still to come]
+        self.stats = {"frames": 0, "lapped": 0, "lost": 0, "unreadable": 0, "not_seen_published": 0}
+
+    def u16(self, view, off):
+        return _U16.unpack_from(view, off)[0]
+
+    def _table(self, addr, length):
+        """An indirect table's entries as (addr, len, flags, next)."""
+        if length == 0 or length % 16 or length // 16 > self.n:
+            raise VringError(f"indirect table of {length} bytes")
+        t = self.buf_mem.read(addr, length)
+        return [_DESC.unpack_from(t, 16 * j) for j in range(length // 16)]
+
+    def buffer(self, segs, length, when, out):
+        """One used buffer: segments [(addr, len, write)] and the used length (Rx); writes a frame when one
+        is complete."""
+        try:
+            if self.rx:
+                data, left = bytearray(), length
+                for addr, seg_len, write in segs:
+                    if write and left > 0:
+                        take = min(seg_len, left, MAX_FRAME - len(data))
+                        data += self.buf_mem.read(addr, take)
+                        left -= take
+            else:
+                data = b"".join(self.buf_mem.read(addr, min(seg_len, MAX_FRAME)) for addr, seg_len, write in segs
+                                if not write)
+        except VringError:
+            self.stats["unreadable"] += 1
+            self.pending = None
+            return
+        if self.pending is not None:  # a later buffer of a mergeable Rx packet: no header of its own (NET-32)
+            self.pending[0] += data
+            self.pending[1] -= 1
+            if self.pending[1] <= 0:
+                frame, self.pending = bytes(self.pending[0]), None
+                self._write(frame, when, out)
+            return
+        if len(data) < self.hdr:
+            self.stats["unreadable"] += 1
+            return
+        more = _U16.unpack_from(data, 10)[0] - 1 if self.mrg and self.hdr >= 12 else 0
+        if 0 < more < 256:
+            self.pending = [bytearray(data[self.hdr:]), more]
+            return
+        self._write(bytes(data[self.hdr:]), when, out)
+
+    def _write(self, frame, when, out):
+        if len(frame) < 14:
+            self.stats["unreadable"] += 1
+            return
+        if out.write(frame, when):
+            self.stats["frames"] += 1
+
+
+class SplitObserver(_Ring):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.resync()
+
+    def resync(self):
+        """Start again from what is in flight now: the avail positions from used.idx on are read afresh."""
+        self.last_used = self.u16(self.used, 2)
+        self.last_avail = self.last_used
+        self.recs = defaultdict(deque)   # head -> segment lists, oldest first (a head can come back)
+        self.fifo = deque()              # IN_ORDER: (head, segments) in avail order
+        self.pending = None
+
+    def chain(self, head):
+        """The segments of the chain at head (following next, and an indirect table)."""
+        if head >= self.n:
+            raise VringError(f"head {head}")
+        segs, i, table, hops = [], head, None, 0
+        while True:
+            hops += 1
+            if hops > self.n:
+                raise VringError("chain loops")
+            addr, length, flags, nxt = table[i] if table is not None else _DESC.unpack_from(self.desc, 16 * i)
+            if flags & VIRTQ_DESC_F_INDIRECT and table is None:
+                table, i, hops = self._table(addr, length), 0, 0
+                continue
+            segs.append((addr, length, bool(flags & VIRTQ_DESC_F_WRITE)))
+            if not flags & VIRTQ_DESC_F_NEXT:
+                return segs
+            i = nxt
+            if i >= (len(table) if table is not None else self.n):
+                raise VringError(f"next {i}")
+
+    def poll(self, out):
+        n = self.n
+        avail_idx = self.u16(self.avail, 2)
+        k = (avail_idx - self.last_avail) & 0xFFFF
+        if k > n:  # the driver published more than a ring's worth since the last look
+            self.resync()
+            self.stats["lost"] += 1
+            return 0
+        for j in range(k):
+            pos = (self.last_avail + j) & 0xFFFF
+            head = self.u16(self.avail, 4 + 2 * (pos % n))
+            try:
+                segs = self.chain(head)
+            except VringError:
+                segs = None
+            if self.in_order:
+                self.fifo.append((head, segs))
+            else:
+                self.recs[head].append(segs)
+        self.last_avail = avail_idx
+        used_idx = self.u16(self.used, 2)
+        m = (used_idx - self.last_used) & 0xFFFF
+        if m == 0:
+            return 0
+        if m > n:
+            self.stats["lapped"] += m - n
+            self.resync()
+            return 0
+        when = time.time_ns()
+        pos, left = self.last_used, m
+        while left:
+            id, length = _ELEM.unpack_from(self.used, 4 + 8 * (pos % n))
+            if self.in_order:  # one entry for a batch: the buffers up to the one whose head is id (INORDER-06)
+                batch = []
+                while self.fifo and len(batch) < left:
+                    batch.append(self.fifo.popleft())
+                    if batch[-1][0] == id:
+                        break
+                if not batch or batch[-1][0] != id:
+                    self.stats["lost"] += left
+                    self.resync()
+                    return m
+                for k, (head, segs) in enumerate(batch):
+                    last = k == len(batch) - 1
+                    self._one(segs, length if last else sum(s[1] for s in segs or () if s[2]), when, out)
+                pos, left = (pos + len(batch)) & 0xFFFF, left - len(batch)
+            else:
+                q = self.recs.get(id)
+                if not q:
+                    self.stats["not_seen_published"] += 1
+                else:
+                    self._one(q.popleft(), length, when, out)
+                pos, left = (pos + 1) & 0xFFFF, left - 1
+        self.last_used = used_idx
+        return m
+
+    def _one(self, segs, length, when, out):
+        if segs is None:
+            self.stats["unreadable"] += 1
+        else:
+            self.buffer(segs, length, when, out)
+
+
+class PackedObserver(_Ring):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.resync()
+
+    def flags(self, slot):
+        return self.u16(self.desc, 16 * slot + 14)
+
+    def resync(self):
+        """Start from the driver's published position (read from the AVAIL bits): buffers in flight now are
+        not followed; the device's used position meets this one once they are done."""
+        flags = [self.flags(i) for i in range(self.n)]
+        found = infer_published_packed(flags)
+        self.avail_at = self.used_at = found[:2] if isinstance(found, tuple) else None
+        self.recs = defaultdict(deque)   # id -> (ndesc, segments)
+        self.fifo = deque()              # IN_ORDER: (id, ndesc, segments)
+        self.outstanding = 0             # descriptors recorded and not yet seen used
+        self.pending = None
+
+    def _step(self, at, k):
+        slot, wrap = at
+        slot += k
+        while slot >= self.n:
+            slot, wrap = slot - self.n, wrap ^ 1
+        return slot, wrap
+
+    def _avail(self, at):
+        f = self.flags(at[0])
+        return bool(f & VIRTQ_DESC_F_AVAIL) == at[1] and bool(f & VIRTQ_DESC_F_USED) != at[1]
+
+    def _used(self, at):
+        f = self.flags(at[0])
+        return bool(f & VIRTQ_DESC_F_AVAIL) == at[1] and bool(f & VIRTQ_DESC_F_USED) == at[1]
+
+    def _list(self):
+        """The list at the avail cursor: (id, ndesc, segments or None)."""
+        segs, at, ndesc = [], self.avail_at, 0
+        while True:
+            if ndesc and not self._avail(at):  # PACKED-D-12: the head is published last, so this is torn
+                return None
+            addr, length, id, flags = _DESC.unpack_from(self.desc, 16 * at[0])
+            ndesc += 1
+            at = self._step(at, 1)
+            if flags & VIRTQ_DESC_F_INDIRECT:
+                try:
+                    segs += [(a, ln, bool(f & VIRTQ_DESC_F_WRITE)) for a, ln, _, f in self._table(addr, length)]
+                except VringError:
+                    segs = None
+            elif segs is not None:
+                segs.append((addr, length, bool(flags & VIRTQ_DESC_F_WRITE)))
+            if not flags & VIRTQ_DESC_F_NEXT or ndesc >= self.n:
+                return id, ndesc, segs
+
+    def poll(self, out):
+        if self.avail_at is None:
+            self.resync()
+            if self.avail_at is None:
+                return 0
+        done = 0
+        while self._avail(self.avail_at):
+            found = self._list()
+            if found is None:
+                break
+            id, ndesc, segs = found
+            if self.in_order:
+                self.fifo.append(found)
+            else:
+                self.recs[id].append((ndesc, segs))
+            self.avail_at = self._step(self.avail_at, ndesc)
+            self.outstanding += ndesc
+            if self.outstanding > self.n:  # the device's used position never came to ours
+                return self._lost(1)
+        if self._used(self.avail_at):
+            return self._lost(1)  # the device used slots the tap never saw made available
+        when = None
+        while self.used_at != self.avail_at and self._used(self.used_at):
+            when = when or time.time_ns()
+            _, length, id, _ = _DESC.unpack_from(self.desc, 16 * self.used_at[0])
+            if self.in_order:  # the buffers up to the one with this id (INORDER-11..14)
+                batch = []
+                while self.fifo:
+                    batch.append(self.fifo.popleft())
+                    if batch[-1][0] == id:
+                        break
+                if not batch or batch[-1][0] != id:
+                    return self._lost(len(batch) or 1)
+            else:
+                q = self.recs.get(id)
+                if not q:
+                    return self._lost(1)
+                ndesc, segs = q.popleft()
+                batch = [(id, ndesc, segs)]
+            for k, (_, _, segs) in enumerate(batch):
+                full = sum(s[1] for s in segs or () if s[2])
+                if segs is None:
+                    self.stats["unreadable"] += 1
+                else:
+                    self.buffer(segs, length if k == len(batch) - 1 else full, when, out)
+            self.used_at = self._step(self.used_at, sum(b[1] for b in batch))
+            self.outstanding -= sum(b[1] for b in batch)
+            done += len(batch)
+        return done
+
+    def _lost(self, k):
+        self.stats["lost"] += k
+        self.resync()
+        return 0
+
+
+class Capture:
+    """The capture thread: ``Capture(picture, writer).start()`` ... ``stop()``."""
+
+    def __init__(self, picture, writer, idle_s=0.0002):
+        self.picture, self.writer, self.idle_s = picture, writer, idle_s
+        self.observers = {}   # (conn, vring) -> observer
+        self.totals = defaultdict(int)
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="vring-tap capture", daemon=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+        self.writer.close()
+
+    def _refresh(self):
+        p = self.picture
+        with p.lock:
+            started = {(v.conn, i) for i, v in p.vrings.items() if v.state == "started" and v.conn == p.conn}
+        for key in list(self.observers):
+            if key not in started:
+                self._retire(key)
+        for key in started - set(self.observers):
+            try:
+                layout, ring_mem, buf_mem, features = p.ring(key[1])
+                cls = PackedObserver if layout.packed else SplitObserver
+                self.observers[key] = cls(layout, ring_mem, buf_mem, features, key[1] % 2 == 0)
+            except VringError:
+                continue
+
+    def _retire(self, key):
+        obs = self.observers.pop(key)
+        for k, v in obs.stats.items():
+            self.totals[k] += v
+
+    def _publish(self):
+        with self.picture.lock:
+            for (conn, i), obs in self.observers.items():
+                v = self.picture.vrings.get(i)
+                if v is not None and v.conn == conn:
+                    v.capture = dict(obs.stats)
+
+    def _run(self):
+        gen, last_publish = None, 0.0
+        while not self._stop.is_set() and not self.writer.full:
+            if self.picture.generation != gen:
+                gen = self.picture.generation
+                self._refresh()
+            moved = 0
+            for obs in list(self.observers.values()):
+                try:
+                    moved += obs.poll(self.writer)
+                except (VringError, ValueError, IndexError, struct.error):
+                    obs.stats["lost"] += 1
+                    obs.resync()
+                if self.writer.full:
+                    break
+            now = time.monotonic()
+            if now - last_publish > 0.2:
+                self._publish()
+                self.writer.flush()
+                last_publish = now
+            if not moved:
+                time.sleep(self.idle_s)
+        self._publish()
+        self.writer.flush()
+
+    def stats(self):
+        out = defaultdict(int, self.totals)
+        for obs in list(self.observers.values()):
+            for k, v in obs.stats.items():
+                out[k] += v
+        return {**self.writer.stats(), **out}

@@ -1,0 +1,327 @@
+"""`vring tap` (issue 12) without DPDK: the relay passes every message and fd on unchanged, --notify-tap
+counts and forwards kicks and calls, the picture follows GET_VRING_BASE and reconnects, the live dumps,
+the message log and the capture; `--pcap` on `vring driver` and `vring vhost`.
+
+Fake peers speak rings.vhost_user directly where the test needs to see bytes and fds; our own driver and
+backend run as processes where a real data path is needed. Every process, socket and segment is removed
+even when a test fails.
+"""
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import dpkt
+import pytest
+
+from rings import ctl
+from rings import vhost_user as vu
+from rings.pcap import PcapWriter
+from tap.msglog import MessageLog, decode_file
+from tap.notify import NotifyRelay
+from tap.picture import Picture
+from tap.proxy import Endpoint, Tap
+from vring import cli
+
+from procs import Procs, wait_for
+
+R = vu.VhostUserRequest
+TSHARK = shutil.which("tshark")
+
+
+# --- fake peers through a tap in a thread ----------------------------------------------------------------------
+
+class Around:
+    """A tap in a thread between a listening fake backend and a connecting fake frontend."""
+
+    def __init__(self, tmp_path, notify=False):
+        self.a, self.b = str(tmp_path / "a.sock"), str(tmp_path / "b.sock")
+        self.listener = vu.listen_unix(self.b)
+        self.picture = Picture(notify_tap=notify)
+        self.log = MessageLog(tmp_path / "tap.log")
+        self.notify = NotifyRelay(self.picture, self.log) if notify else None
+        self.tap = Tap(Endpoint("frontend", self.a, True), Endpoint("backend", self.b, False), self.picture,
+                       self.log, self.notify, peer_timeout=5)
+        self.stop = threading.Event()
+        self.tap.frontend.open()
+        self.thread = threading.Thread(target=self.tap.serve, args=(self.stop,), daemon=True)
+        self.thread.start()
+        self.fe = vu.connect_unix(self.a)
+        self.be = vu.accept_unix(self.listener, timeout=5)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(timeout=5)
+        for c in (self.fe, self.be):
+            c.close()
+        self.listener.close()
+        if self.notify is not None:
+            self.notify.close()
+        self.log.close()
+
+
+@pytest.fixture
+def around(tmp_path):
+    arounds = []
+
+    def make(notify=False):
+        arounds.append(Around(tmp_path, notify))
+        return arounds[-1]
+    yield make
+    for x in arounds:
+        x.close()
+
+
+def same_file(fd_a, fd_b):
+    """Two fds of one open file (eventfds all share one anonymous inode: compare their eventfd-id)."""
+    def ident(fd):
+        st = os.fstat(fd)
+        info = [x for x in open(f"/proc/self/fdinfo/{fd}") if x.startswith("eventfd-id:")]
+        return st.st_dev, st.st_ino, info[0].split()[1] if info else None
+    return ident(fd_a) == ident(fd_b)
+
+
+def test_tap_passes_every_message_and_fd_on_unchanged(around, tmp_path):
+    t = around()
+    # a request and its reply
+    t.fe.send(vu.Message(R.GET_FEATURES, vu.VERSION))
+    got = t.be.recv(5)
+    assert (got.request, got.flags, got.payload, got.fds) == (R.GET_FEATURES, 0x1, b"", [])
+    t.be.send(vu.reply(got, vu.pack_u64(0x150008000)))
+    rep = t.fe.recv(5)
+    assert (rep.request, rep.flags, rep.payload) == (R.GET_FEATURES, 0x5, vu.pack_u64(0x150008000))
+    # SET_MEM_TABLE with NEED_REPLY and a memfd: the backend gets the same file, the tap maps it too
+    mfd = os.memfd_create("tap-test")
+    os.ftruncate(mfd, 1 << 20)
+    os.pwrite(mfd, b"marker", 4096)
+    region = vu.MemRegion(0x100000, 1 << 20, 0x7f0000000000, 0)
+    t.fe.send(vu.Message(R.SET_MEM_TABLE, vu.VERSION | vu.NEED_REPLY, vu.pack_mem_table([region]), [mfd]))
+    got = t.be.recv(5)
+    assert got.flags == 0x9 and got.payload == vu.pack_mem_table([region]) and len(got.fds) == 1
+    assert same_file(got.fds[0], mfd) and os.pread(got.fds[0], 6, 4096) == b"marker"
+    got.close_fds()
+    t.be.send(vu.ack(got))
+    assert t.fe.recv(5).payload == vu.pack_u64(0)
+    assert t.picture.buf_mem.read(0x100000 + 4096, 6) == b"marker"      # guest-physical space
+    assert t.picture.ring_mem.read(0x7f0000000000 + 4096, 6) == b"marker"  # userspace-address space
+    # a kick eventfd passes straight through by default
+    efd = os.eventfd(0)
+    t.fe.send(vu.Message(R.SET_VRING_KICK, vu.VERSION, vu.VringFile(1).pack(), [efd]))
+    got = t.be.recv(5)
+    assert same_file(got.fds[0], efd)
+    got.close_fds()
+    # what breaks the protocol still goes on, for the backend to judge
+    for msg in (vu.Message(99, vu.VERSION | vu.NEED_REPLY, b"abc"), vu.Message(R.SET_OWNER, 0x2, b""),
+                vu.Message(R.SET_FEATURES, vu.VERSION, b"\x01\x02")):
+        t.fe.send(msg)
+        got = t.be.recv(5, strict=False)
+        assert (int(got.request), got.flags, got.payload) == (int(msg.request), msg.flags, msg.payload)
+    for fd in (mfd, efd):
+        os.close(fd)
+    # the backend leaves: the frontend sees the connection close, as it would without the tap
+    t.be.close()
+    with pytest.raises(vu.PeerGone):
+        t.fe.recv(5)
+    t.thread.join(timeout=5)
+    t.log.close()
+    lines = [json.loads(x) for x in open(tmp_path / "tap.log")]
+    msgs = [(x["dir"], x["request"]) for x in lines if "request" in x]
+    assert msgs[:4] == [("F>B", "GET_FEATURES"), ("B>F", "GET_FEATURES"), ("F>B", "SET_MEM_TABLE"),
+                        ("B>F", "SET_MEM_TABLE")]
+    mem = next(x for x in lines if x.get("request") == "SET_MEM_TABLE")
+    assert mem["payload"] == [{"gpa": 0x100000, "size": 1 << 20, "uaddr": 0x7f0000000000, "mmap_offset": 0}]
+    assert mem["fds"][0]["what"].startswith("/memfd:tap-test") and mem["fds"][0]["size"] == 1 << 20
+    assert mem["flag_names"] == ["VERSION_1", "NEED_REPLY"]
+    assert next(x for x in lines if x.get("request") == "GET_FEATURES" and x["dir"] == "B>F")["payload"]["names"] == [
+        "MRG_RXBUF", "INDIRECT_DESC", "PROTOCOL_FEATURES", "VERSION_1"]
+    assert "error" in next(x for x in lines if x.get("request") == "UNKNOWN(99)")
+    assert [x["event"] for x in lines if "event" in x] == ["connected", "disconnected"]
+
+
+def test_tap_notify_tap_counts_times_and_forwards(around, tmp_path):
+    t = around(notify=True)
+    kick, call = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+    for req, fd in ((R.SET_VRING_NUM, None), (R.SET_VRING_KICK, kick), (R.SET_VRING_CALL, call)):
+        payload = vu.VringState(0, 256).pack() if fd is None else vu.VringFile(0).pack()
+        t.fe.send(vu.Message(req, vu.VERSION, payload, [] if fd is None else [fd]))
+    t.be.recv(5)
+    be_kick, be_call = t.be.recv(5).fds[0], t.be.recv(5).fds[0]
+    assert not same_file(be_kick, kick) and not same_file(be_call, call)  # the tap's own eventfds
+    for _ in range(3):
+        os.eventfd_write(kick, 1)
+        time.sleep(0.05)
+    os.eventfd_write(be_call, 2)  # the backend calls
+
+    def read(fd):
+        r, _, _ = select.select([fd], [], [], 5)
+        assert r, "the notification was not passed on"
+        return int.from_bytes(os.read(fd, 8), "little")
+
+    got = 0
+    while got < 3:
+        got += read(be_kick)
+    assert got == 3 and read(call) == 2
+    deadline = time.monotonic() + 5
+    while (t.picture.vrings[0].kicks, t.picture.vrings[0].calls) != (3, 2):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    v = t.picture.vrings[0]
+    assert v.kick_t and v.call_t and v.kick_reads >= 1
+    assert any(n.startswith("tap: kicks 3 ") for n in t.picture.meta(0)["notes"])
+    for fd in (kick, call, be_kick, be_call):
+        os.close(fd)
+    t.log.f.flush()
+    notes = [json.loads(x) for x in open(tmp_path / "tap.log") if '"notify"' in x]
+    assert sum(x["count"] for x in notes if x["notify"] == "kick") == 3
+    assert [x for x in notes if x["notify"] == "call"] and all(x["vring"] == 0 for x in notes)
+
+
+# --- our own driver and backend through the tap ----------------------------------------------------------------
+
+@pytest.fixture
+def procs():
+    p = Procs()
+    yield p
+    p.close()
+
+
+def run_driver(procs, sock, *args):
+    p = procs.start("driver", "--socket", sock, "--json", *args)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    return json.loads(out)
+
+
+def frames(path):
+    with open(path, "rb") as f:
+        return [(ts, buf) for ts, buf in dpkt.pcap.Reader(f)]
+
+
+def tshark_count(path):
+    out = subprocess.run([TSHARK, "-r", str(path), "-T", "fields", "-e", "eth.type"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_tap_between_our_driver_and_backend(procs, tmp_path, capsys):
+    """Two sessions through one tap: packed then split rings. After each, the tap still has the rings the
+    driver left behind: its dump agrees with what the driver sent and with the GET_VRING_BASE the tap
+    saw; the log holds both handshakes; the capture holds the frames."""
+    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
+    log, pcap = tmp_path / "tap.log", tmp_path / "tap.pcap"
+    backend = procs.start("vhost", "--socket", vh, "--fwd", "io", "--max-connections", "2")
+    wait_for(vh, backend)
+    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--log", str(log), "--pcap", str(pcap),
+                      "--pcap-count", "64")
+    wait_for(a, tap)
+    wait_for(tctl, tap)
+    for session, fmt, count in ((1, "packed", 500), (2, "split", 300)):
+        res = run_driver(procs, a, f"--{fmt}", "--mode", "txonly", "--count", str(count))
+        assert res["tx"]["packets"] == count
+        deadline = time.monotonic() + 10
+        while True:  # the session ends when the driver has gone
+            raw = ctl.query(tctl, "tx")
+            if raw.meta["state"] == "disconnected" and raw.meta["connection"] == session:
+                break
+            assert time.monotonic() < deadline, raw.meta
+            time.sleep(0.1)
+        snap = raw.snapshot()
+        assert snap["side"] == "memory" and snap["format"] == fmt
+        if fmt == "packed":  # one descriptor per frame; both wrap counters start at 1
+            assert snap["indices"]["next_avail"] == count % 256
+            assert snap["indices"]["avail_wrap"] == 1 ^ (count // 256) & 1
+            assert snap["counts"]["available_descs"] == 0
+            assert raw.meta["stopped_base"] & 0x7FFF == count % 256
+            assert raw.meta["stopped_base"] >> 15 & 1 == snap["indices"]["avail_wrap"]
+        else:
+            assert snap["indices"] == {"avail.idx": count, "used.idx": count}
+            assert raw.meta["stopped_base"] == count
+        assert any("GET_VRING_BASE reply" in n for n in raw.meta["notes"])
+    assert cli.main(["dump", "--ctl", tctl, "rx", "--no-descriptors"]) == 0
+    out = capsys.readouterr().out
+    assert "tap: vring 0 (rx), connection 2 (gone), disconnected" in out and "split memory queue" in out
+    saved = str(tmp_path / "tx.raw")  # --raw and --watch work on the tap as on our own processes
+    assert cli.main(["dump", "--ctl", tctl, "tx", "--raw", saved, "--watch", "0.05", "--count", "2", "--json"]) == 0
+    samples = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert len(samples) == 2 and samples[0][0]["meta"]["vring"] == 1
+    assert cli.main(["dump", "--from", saved]) == 0
+    assert "tap: GET_VRING_BASE reply 300: where the backend stopped" in capsys.readouterr().out
+    tap.send_signal(signal.SIGTERM)
+    _, err = tap.communicate(timeout=20)
+    assert tap.returncode == 0 and not os.path.exists(a) and not os.path.exists(tctl)
+    assert f"pcap {pcap}: 64 frames (limit 64" in err
+    lines = [json.loads(x) for x in open(log)]
+    requests = [x["request"] for x in lines if x.get("dir") == "F>B"]
+    for name in ("SET_OWNER", "GET_FEATURES", "SET_FEATURES", "SET_MEM_TABLE", "SET_VRING_NUM", "SET_VRING_ADDR",
+                 "SET_VRING_BASE", "SET_VRING_KICK", "SET_VRING_CALL", "GET_VRING_BASE"):
+        assert requests.count(name) >= 2 if "VRING" not in name else requests.count(name) >= 4, name
+    assert [x["event"] for x in lines if "event" in x] == ["connected", "disconnected"] * 2
+    got = frames(pcap)
+    assert len(got) == 64
+    assert all(len(buf) == 64 and dpkt.ethernet.Ethernet(buf).type == dpkt.ethernet.ETH_TYPE_IP for _, buf in got)
+    if TSHARK:
+        assert tshark_count(pcap) == ["0x0800"] * 64
+    assert decode_file(log, open(os.devnull, "w")) == 0
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_driver_and_vhost_pcap(procs, tmp_path, fmt):
+    """--pcap on our own two processes: the driver writes what it sends and receives, the backend what it
+    takes off the Tx ring and puts on the Rx ring, each up to its --pcap-count."""
+    vh = str(tmp_path / "vh.sock")
+    backend = procs.start("vhost", "--socket", vh, "--max-connections", "1", "--pcap", str(tmp_path / "b.pcap"),
+                          "--pcap-count", "50")
+    wait_for(vh, backend)
+    res = run_driver(procs, vh, f"--{fmt}", "--mode", "macfwd", "--count", "8", "--seconds", "1",
+                     "--pcap", str(tmp_path / "a.pcap"), "--pcap-count", "40")
+    assert res["pcap"]["written"] == 40 and res["rx"]["packets"] > 40
+    _, err = backend.communicate(timeout=20)
+    assert "pcap " + str(tmp_path / "b.pcap") + ": 50 frames" in err
+    a, b = frames(tmp_path / "a.pcap"), frames(tmp_path / "b.pcap")
+    assert len(a) == 40 and len(b) == 50
+    src = {buf[6:12] for _, buf in a + b}
+    assert len(src) == 2  # the template's two MACs, swapped on every pass
+    assert all(len(buf) == 64 and dpkt.ethernet.Ethernet(buf).type == dpkt.ethernet.ETH_TYPE_IP for _, buf in a + b)
+    # the backend writes each frame as taken from the Tx ring, then as put on the Rx ring (MACs swapped)
+    first = b[0][1]
+    assert first[6:12] + first[:6] + first[12:] in [buf for _, buf in b[1:]]
+    if TSHARK:
+        assert len(tshark_count(tmp_path / "a.pcap")) == 40
+
+
+def test_pcap_writer_limit_and_format(tmp_path):
+    w = PcapWriter(tmp_path / "x.pcap", count=2)
+    t = 1_700_000_000_999_999_999  # rounds down to whole microseconds, never up to a full second
+    assert w.write(b"\x01" * 60, t) and w.write(b"\x02" * 60, t + 1000)
+    assert not w.write(b"\x03" * 60, t) and w.full
+    w.close()
+    assert w.stats() == {"path": str(tmp_path / "x.pcap"), "written": 2, "limit": 2, "left_out": 1}
+    got = frames(tmp_path / "x.pcap")
+    assert [buf[:1] for _, buf in got] == [b"\x01", b"\x02"]
+    assert got[0][0] == pytest.approx(1_700_000_000.999999, abs=1e-6)
+    assert oct(os.stat(tmp_path / "x.pcap").st_mode & 0o777) == "0o600"
+
+
+def test_tap_cli_errors_and_decode(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="give the frontend side"):
+        cli.main(["tap", "--listen", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="pcap-count"):
+        cli.main(["tap", "--listen", str(tmp_path / "a"), "--connect", "b", "--pcap-count", "-1"])
+    log = tmp_path / "x.log"
+    m = MessageLog(log)
+    m.message(1, "F>B", vu.Message(R.SET_VRING_BASE, 1, vu.VringState(1, 0x8005).pack()),
+              vu.VringState(1, 0x8005), None, [], packed=True)
+    m.close()
+    with open(log, "a") as f:
+        f.write("[[[[\n{\"t\": \"x\"}\n")
+    assert cli.main(["tap", "--decode", str(log)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("F>B SET_VRING_BASE [VERSION_1] index=1 num=32773 decoded=0x8005 (avail 5 wrap 1) fds: -")
+    assert out[1].startswith("line 2: not a tap log record") and out[2].startswith("line 3: not a tap log record")
+    with pytest.raises(SystemExit, match="vring tap: "):
+        cli.main(["tap", "--decode", str(tmp_path / "missing.log")])
