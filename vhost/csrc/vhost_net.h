@@ -77,6 +77,24 @@ static inline void vh_macswap(uint8_t *p)
     memcpy(p + 6, t, 6);
 }
 
+/* Copy a frame without a libc call for the sizes a loopback moves most (16..128 bytes): two fixed-size moves,
+ * the second overlapping the first (never past either end). */
+static inline void vh_copy(uint8_t *dst, const uint8_t *src, uint32_t len)
+{
+    if (len >= 16 && len <= 32) {
+        __builtin_memcpy(dst, src, 16);
+        __builtin_memcpy(dst + len - 16, src + len - 16, 16);
+    } else if (len > 32 && len <= 64) {
+        __builtin_memcpy(dst, src, 32);
+        __builtin_memcpy(dst + len - 32, src + len - 32, 32);
+    } else if (len > 64 && len <= 128) {
+        __builtin_memcpy(dst, src, 64);
+        __builtin_memcpy(dst + len - 64, src + len - 64, 64);
+    } else {
+        memcpy(dst, src, len);
+    }
+}
+
 /* One dequeue burst into the intermediate queue; the used entries wait in the shadow (vh_tx_complete).
  * Returns chains taken, or -1 (Tx queue broke). */
 static inline int vh_dequeue_burst(struct vh_net *n)
@@ -94,46 +112,53 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     }
     if (got == 0)
         return 0;
-    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd;
-    uint64_t bytes = 0;
-    uint32_t pk = n->npkts;
+    /* locals: every copy into pkt_data may alias any field read through n or c */
+    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd, per_buffer = n->per_buffer, pk = n->npkts;
+    const uint16_t *cid = c->id, *nseg = c->nseg;
+    const uint32_t *rlens = c->rlen, *start = c->seg_start;
+    uint8_t *const *host = c->seg_host;
+    uint32_t *ids = n->ids, *lens = n->lens, *pkt_len = n->pkt_len;
+    uint8_t *data = n->pkt_data;
+    uint64_t bytes = 0, moved = 0, runt = 0, oversize = 0;
     if (pk == 0 && n->flush_mode == VH_FLUSH_TIMER)
         n->first_ns = vh_now_ns();
     for (uint32_t k = 0; k < VH_PREFETCH && k < (uint32_t)got; k++)
-        vh_prefetch2(c->seg_host[c->seg_start[k]], 0);
+        vh_prefetch2(host[start[k]], 0);
     for (uint32_t k = 0; k < (uint32_t)got; k++) {
-        uint32_t rlen = c->rlen[k];
+        uint32_t rlen = rlens[k];
         if (k + VH_PREFETCH < (uint32_t)got)   /* the frames are in the driver's cache: overlap the misses */
-            vh_prefetch2(c->seg_host[c->seg_start[k + VH_PREFETCH]], 0);
-        n->ids[k] = c->id[k];
-        n->lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
+            vh_prefetch2(host[start[k + VH_PREFETCH]], 0);
+        ids[k] = cid[k];
+        lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
         if (rlen <= hdr) {
-            n->st.tx_runt++;
+            runt++;
         } else if (rlen - hdr > size) {
-            n->st.tx_oversize++;
+            oversize++;
         } else {
             uint32_t plen = rlen - hdr;
-            uint8_t *dst = n->pkt_data + (uint64_t)pk * size;
-            uint32_t s = c->seg_start[k];
-            if (c->nseg[k] == 1)
-                memcpy(dst, c->seg_host[s] + hdr, plen);
+            uint8_t *dst = data + (uint64_t)pk * size;
+            if (nseg[k] == 1)
+                vh_copy(dst, host[start[k]] + hdr, plen);
             else
                 vh_copy_out(c, k, hdr, dst);
             if (fwd == VH_FWD_MACSWAP && plen >= 12)
                 vh_macswap(dst);
-            n->pkt_len[pk] = plen;
+            pkt_len[pk] = plen;
             bytes += plen;
-            n->st.tx_packets++;
+            moved++;
             if (fwd != VH_FWD_RXONLY)
                 pk++;
-            else
-                n->st.fwd_dropped++;
         }
-        if (n->per_buffer) {
-            vq_dev_push_used(q, &n->ids[k], &n->lens[k], 1);
+        if (per_buffer) {
+            vq_dev_push_used(q, &ids[k], &lens[k], 1);
             vq_dev_flush(q);
         }
     }
+    n->st.tx_packets += moved;
+    n->st.tx_runt += runt;
+    n->st.tx_oversize += oversize;
+    if (fwd == VH_FWD_RXONLY)
+        n->st.fwd_dropped += moved;
     if (!n->per_buffer)
         vq_dev_push_used(q, n->ids, n->lens, (uint32_t)got);
     n->tx_unflushed = 1;
@@ -238,15 +263,26 @@ static inline void vh_copy_in(const struct vq_chains *c, uint32_t k, uint32_t of
     }
 }
 
-/* The virtio-net header (NET-01): flags/gso/csum zero (nothing offloaded, NET-33/34), num_buffers. */
+/* The virtio-net header (NET-01): flags/gso/csum zero (nothing offloaded, NET-33/34), num_buffers
+ * (NET-28: 1 without MRG_RXBUF; NET-29: buffers used with it) in the 12-byte header. */
+static inline void vh_hdr_fill(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
+{
+    uint64_t lo = 0;
+    __builtin_memcpy(h, &lo, 8);
+    if (hdr_len >= 12) {
+        uint32_t hi = (uint32_t)nbuf << 16;   /* csum_offset 0, num_buffers (little-endian) */
+        __builtin_memcpy(h + 8, &hi, 4);
+    } else {
+        uint16_t hi = 0;
+        __builtin_memcpy(h + 8, &hi, 2);
+    }
+}
+
 static inline void vh_put_hdr(const struct vh_net *n, const struct vq_chains *c, uint32_t k, uint16_t nbuf)
 {
-    uint8_t h[12] = {0};
-    if (n->hdr_len >= 12) {   /* NET-28: 1 without MRG_RXBUF; NET-29: buffers used with it */
-        h[10] = (uint8_t)nbuf;
-        h[11] = (uint8_t)(nbuf >> 8);
-    }
+    uint8_t h[12];
     uint32_t s = c->seg_start[k];
+    vh_hdr_fill(h, n->hdr_len, nbuf);
     if (c->seg_write[s] && c->seg_len[s] >= n->hdr_len)
         memcpy(c->seg_host[s], h, n->hdr_len);
     else
@@ -264,6 +300,43 @@ static inline void vh_put_data(const struct vq_chains *c, uint32_t k, uint32_t o
         vh_copy_in(c, k, off, p, len);
 }
 
+/* The common enqueue, packets [first, first+count) while each fits the next carried Rx chain alone: one
+ * writable segment holding header + frame (num_buffers 1, with or without MRG_RXBUF). State in locals (the
+ * copies into guest memory may alias anything). Stops at the first packet for the general path or when the
+ * carry runs out; appends to ids/lens from *m. Returns the packets delivered. */
+static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint32_t count, uint32_t *m_io,
+                                         uint64_t *bytes_io)
+{
+    const struct vq_chains *c = n->rxc;
+    const uint16_t *cid = c->id, *nseg = c->nseg;
+    const uint32_t *wlen = c->wlen, *start = c->seg_start, *pkt_len = n->pkt_len;
+    uint8_t *const *host = c->seg_host;
+    const uint8_t *data = n->pkt_data;
+    uint32_t *ids = n->ids, *lens = n->lens;
+    uint32_t k = n->rx_next, cn = c->n, hdr = n->hdr_len, size = n->pkt_size, m = *m_io, done = 0;
+    uint64_t bytes = 0;
+    while (done < count && k < cn) {
+        uint32_t i = first + done, plen = pkt_len[i], total = plen + hdr;
+        if (nseg[k] != 1 || wlen[k] < total)   /* wlen > 0: the one segment is writable */
+            break;
+        if (k + VH_PREFETCH < cn)
+            vh_prefetch2(host[start[k + VH_PREFETCH]], 1);
+        uint8_t *dst = host[start[k]];
+        vh_hdr_fill(dst, hdr, 1);
+        vh_copy(dst + hdr, data + (uint64_t)i * size, plen);
+        ids[m] = cid[k];
+        lens[m] = total;
+        m++;
+        k++;
+        done++;
+        bytes += plen;
+    }
+    n->rx_next = k;
+    *m_io = m;
+    *bytes_io += bytes;
+    return done;
+}
+
 /* One enqueue attempt of packets [first, first+count) of the intermediate queue.
  * Returns the packets consumed (delivered or dropped as too big); *delivered counts the first kind.
  * Stops at the first packet for which no Rx buffer is left. -1: the Rx queue broke. */
@@ -279,6 +352,13 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
     for (uint32_t k = n->rx_next; k < n->rx_next + VH_PREFETCH && k < c->n; k++)
         vh_prefetch2(c->seg_host[c->seg_start[k]], 1);
     for (; done < count; done++) {
+        if (!n->per_buffer) {
+            uint32_t f = vh_enqueue_simple(n, first + done, count - done, &m, &bytes);
+            done += f;
+            dl += f;
+            if (done == count)
+                break;
+        }
         uint32_t i = first + done, plen = n->pkt_len[i], total = plen + hdr;
         const uint8_t *p = n->pkt_data + (uint64_t)i * n->pkt_size;
         if (n->rx_next == c->n) {   /* the carry is empty: one more poll for the rest */
@@ -404,8 +484,9 @@ static inline int vh_txq_flush(struct vh_net *n)
 /* The loop                                                                                    */
 /* ------------------------------------------------------------------------------------------- */
 
-/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). */
-static inline int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
+/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). Not inlined: one
+ * call per time slice, and a symbol profilers can count from (benchmarks/loop_profile.py). */
+static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
 {
     uint64_t start = vh_now_ns();
     for (uint32_t it = 0; it < max_iters; it++) {

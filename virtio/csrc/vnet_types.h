@@ -26,6 +26,9 @@ struct vn_txq {
     uint64_t hdr_gpa;
     uint8_t hdr_tmpl[16];   /* set once per burst */
     uint8_t force_slow, kick, pending_kick, pad;   /* kick: this burst notified the device */
+    /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
+     * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
+    uint8_t hdr_per_packet, doorbell_per_packet, pad2[2];
     int32_t kickfd;         /* eventfd, or -1 (count only) */
     uint64_t *tok;          /* reclaim scratch, size entries */
     uint32_t *lens;
