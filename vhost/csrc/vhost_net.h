@@ -114,10 +114,12 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         return 0;
     /* locals: every copy into pkt_data may alias any field read through n or c */
     uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd, per_buffer = n->per_buffer, pk = n->npkts;
+    uint32_t direct = n->direct && !per_buffer;   /* per buffer: a chain is completed before the enqueue */
     const uint16_t *cid = c->id, *nseg = c->nseg;
     const uint32_t *rlens = c->rlen, *start = c->seg_start;
     uint8_t *const *host = c->seg_host;
     uint32_t *ids = n->ids, *lens = n->lens, *pkt_len = n->pkt_len;
+    const uint8_t **src = n->pkt_src;
     uint8_t *data = n->pkt_data;
     uint64_t bytes = 0, moved = 0, runt = 0, oversize = 0;
     if (pk == 0 && n->flush_mode == VH_FLUSH_TIMER)
@@ -137,12 +139,17 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         } else {
             uint32_t plen = rlen - hdr;
             uint8_t *dst = data + (uint64_t)pk * size;
-            if (nseg[k] == 1)
-                vh_copy(dst, host[start[k]] + hdr, plen);
-            else
-                vh_copy_out(c, k, hdr, dst);
-            if (fwd == VH_FWD_MACSWAP && plen >= 12)
-                vh_macswap(dst);
+            if (direct && nseg[k] == 1) {   /* read by the enqueue, MACs swapped in the Rx buffer */
+                src[pk] = host[start[k]] + hdr;
+            } else {
+                if (nseg[k] == 1)
+                    vh_copy(dst, host[start[k]] + hdr, plen);
+                else
+                    vh_copy_out(c, k, hdr, dst);
+                if (fwd == VH_FWD_MACSWAP && plen >= 12)
+                    vh_macswap(dst);
+                src[pk] = dst;
+            }
             pkt_len[pk] = plen;
             bytes += plen;
             moved++;
@@ -311,9 +318,11 @@ static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint3
     const uint16_t *cid = c->id, *nseg = c->nseg;
     const uint32_t *wlen = c->wlen, *start = c->seg_start, *pkt_len = n->pkt_len;
     uint8_t *const *host = c->seg_host;
+    const uint8_t *const *src = n->pkt_src;
     const uint8_t *data = n->pkt_data;
     uint32_t *ids = n->ids, *lens = n->lens;
     uint32_t k = n->rx_next, cn = c->n, hdr = n->hdr_len, size = n->pkt_size, m = *m_io, done = 0;
+    uint32_t swap = n->direct && n->fwd == VH_FWD_MACSWAP;
     uint64_t bytes = 0;
     while (done < count && k < cn) {
         uint32_t i = first + done, plen = pkt_len[i], total = plen + hdr;
@@ -322,8 +331,11 @@ static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint3
         if (k + VH_PREFETCH < cn)
             vh_prefetch2(host[start[k + VH_PREFETCH]], 1);
         uint8_t *dst = host[start[k]];
+        const uint8_t *p = src[i];
         vh_hdr_fill(dst, hdr, 1);
-        vh_copy(dst + hdr, data + (uint64_t)i * size, plen);
+        vh_copy(dst + hdr, p, plen);
+        if (swap && plen >= 12 && p != data + (uint64_t)i * size)   /* direct: still the driver's frame */
+            vh_macswap(dst + hdr);
         ids[m] = cid[k];
         lens[m] = total;
         m++;
@@ -335,6 +347,21 @@ static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint3
     *m_io = m;
     *bytes_io += bytes;
     return done;
+}
+
+/* Frame i of the intermediate queue in its pkt_data slot, copied there (and its MACs swapped) first if it is still
+ * the driver's Tx buffer (direct): the general enqueue path may write it over several Rx buffers or retry it. */
+static inline const uint8_t *vh_staged(struct vh_net *n, uint32_t i)
+{
+    uint8_t *slot = n->pkt_data + (uint64_t)i * n->pkt_size;
+    const uint8_t *p = n->pkt_src[i];
+    if (p != slot) {
+        vh_copy(slot, p, n->pkt_len[i]);
+        if (n->fwd == VH_FWD_MACSWAP && n->pkt_len[i] >= 12)
+            vh_macswap(slot);
+        n->pkt_src[i] = slot;
+    }
+    return slot;
 }
 
 /* One enqueue attempt of packets [first, first+count) of the intermediate queue.
@@ -360,7 +387,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
                 break;
         }
         uint32_t i = first + done, plen = n->pkt_len[i], total = plen + hdr;
-        const uint8_t *p = n->pkt_data + (uint64_t)i * n->pkt_size;
+        const uint8_t *p = vh_staged(n, i);
         if (n->rx_next == c->n) {   /* the carry is empty: one more poll for the rest */
             if (vh_rx_refill(n, count - done) < 0)
                 return -1;
@@ -484,15 +511,47 @@ static inline int vh_txq_flush(struct vh_net *n)
 /* The loop                                                                                    */
 /* ------------------------------------------------------------------------------------------- */
 
+/* --idle sleep, after each poll iteration: busy -> kicks off; idle_polls empty polls -> kicks on, then one more
+ * poll (the re-check after enabling, EVT-09/MEM-09: a buffer made available before the driver saw the change
+ * is found by it); still empty -> returns 1, n->sleep set, and the caller blocks on the kick eventfd. */
+static inline int vh_idle(struct vh_net *n, int got)
+{
+    if (!n->txq)
+        return 0;
+    if (got > 0 || n->npkts) {
+        n->empty = 0;
+        if (n->kicks_on) {
+            vq_dev_enable_kicks(n->txq, 0);
+            n->kicks_on = 0;
+        }
+        return 0;
+    }
+    if (++n->empty < n->idle_polls)
+        return 0;
+    if (!n->kicks_on) {
+        vq_dev_enable_kicks(n->txq, 1);   /* with a full fence before the next poll reads the ring */
+        n->kicks_on = 1;
+        n->empty = n->idle_polls - 1;     /* one more poll, then sleep */
+        return 0;
+    }
+    n->sleep = 1;
+    n->st.sleeps++;
+    return 1;
+}
+
 /* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). Not inlined: one
  * call per time slice, and a symbol profilers can count from (benchmarks/loop_profile.py). */
 static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
 {
     uint64_t start = vh_now_ns();
+    n->sleep = 0;
     for (uint32_t it = 0; it < max_iters; it++) {
         uint64_t t0 = n->timing ? vh_now_ns() : 0;
         int got = vh_dequeue_burst(n);
-        if (n->npkts >= n->threshold) {
+        if (n->direct && n->npkts) {   /* no intermediate queue: every burst goes on at once */
+            n->st.flush_rx_batch++;
+            vh_txq_flush(n);
+        } else if (n->npkts >= n->threshold) {
             n->st.flush_threshold++;
             vh_txq_flush(n);
         } else if (n->npkts) {
@@ -517,6 +576,8 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
         }
         if (!n->txq && !n->npkts)
             break;   /* nothing left to do */
+        if (n->idle_polls && vh_idle(n, got))
+            break;   /* sleep: the caller blocks on the kick eventfd */
         if ((it & 63) == 63 && vh_now_ns() - start >= budget_ns)
             break;
     }
