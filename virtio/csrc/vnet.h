@@ -15,6 +15,7 @@
 
 #define VN_NONE 0xffffffffu
 #define VN_HDR_SLOT 16
+#define VN_TX_RETRIES 1024   /* macfwd: reclaim-and-retry rounds for a full Tx ring before dropping */
 
 /* ----------------------------------------------------------------------------------- pool */
 
@@ -586,9 +587,9 @@ static inline uint32_t vn_lat_bucket(uint64_t ns)
     return b > 255 ? 255 : b;
 }
 
-/* For each received frame: latency = now - the timestamp it carries; then stamp it with now (it goes back
- * out right away). One clock read per burst. */
-static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
+/* For each received frame: latency = now - the timestamp it carries; then, when `restamp`, stamp it with now (it
+ * goes back out right away: macfwd). One clock read per burst. */
+static inline void vn_lat_measure(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n, int restamp)
 {
     uint64_t now = vn_now_ns();
     for (uint32_t i = 0; i < n; i++) {
@@ -600,7 +601,8 @@ static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint
         uint8_t *d = vn_buf(p, b) + p->data_off[b] + l->ts_off;
         uint64_t ts;
         memcpy(&ts, d, 8);
-        memcpy(d, &now, 8);
+        if (restamp)
+            memcpy(d, &now, 8);
         if (ts == 0 || ts > now) {
             l->bad++;
             continue;
@@ -614,6 +616,19 @@ static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint
             l->max = ns;
         l->hist[vn_lat_bucket(ns)]++;
     }
+}
+
+static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
+{
+    vn_lat_measure(l, p, idx, n, 1);
+}
+
+/* Start the histogram over (after the warm-up). */
+static inline void vn_lat_reset(struct vn_lat *l)
+{
+    uint32_t off = l->ts_off;
+    memset(l, 0, sizeof *l);
+    l->ts_off = off;
 }
 
 /* Allocate and build n packets of len bytes from the template into out[]: one buffer when the frame fits
@@ -706,9 +721,9 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
     return bad;
 }
 
-/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, send
- * back; what does not fit in Tx is dropped (freed, counted). Refill and Tx cleanup come after the send, off the
- * round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
+/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, refill the
+ * Rx ring, send back; what still does not fit in Tx after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off
+ * the round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
  * (benchmarks/loop_profile.py). */
 static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
                                                   uint32_t max, uint32_t spin)
@@ -727,7 +742,18 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
         if (r->lat)
             vn_lat_update(r->lat, r->pool, idx, (uint32_t)n);
         vn_macswap(r->pool, idx, (uint32_t)n);
+        /* repost what was received before it goes back out: with as many packets in flight as the Rx ring holds
+         * (bench: 256 into 256) they would otherwise reach a ring with no buffer left and be dropped */
+        vn_rx_refill(r, 1);
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
+        /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
+         * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
+        for (uint32_t tries = 0; sent < (uint32_t)n && tries < VN_TX_RETRIES && !t->q->error; tries++) {
+            __builtin_ia32_pause();
+            if (vn_tx_cleanup(t, (uint32_t)n - sent) < 0)
+                return -1;
+            sent += vn_tx_burst(t, idx + sent, len + sent, (uint32_t)n - sent, 0);
+        }
         if (t->q->error)
             return -1;
         if (sent < (uint32_t)n) {
@@ -770,6 +796,70 @@ static inline uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, co
         t->dropped += k - sent;
     }
     return sent;
+}
+
+/* Open-loop Tx at a fixed rate (vring bench --rate): the packets due by now go out (at most `max` per step), each
+ * stamped with the time it was due, so that a late sender shows up as latency; received frames (at most `rx_max`
+ * per step: a receiver slower than the sender when smaller) are measured against that stamp and freed. What does not fit in Tx is dropped (counted in t->dropped). Up to `steps` steps;
+ * with `spin`, returns early after that many idle steps in a row (nothing due, nothing received) and sets
+ * pc->idle: the caller may block until pc->next_ns. Returns the packets received, or -1 when a ring broke. */
+static inline int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn_pace *pc, uint32_t *tx_idx,
+                                   uint32_t *tx_len, uint32_t *rx_idx, uint32_t *rx_len, const uint8_t *tmpl,
+                                   uint32_t plen, uint32_t seq_off, uint32_t ts_off, uint32_t max, uint32_t rx_max,
+                                   uint32_t spin, uint32_t steps)
+{
+    struct vn_pool *p = r->pool;
+    int64_t total = 0;
+    uint32_t idle = 0;
+    pc->idle = 0;
+    for (uint32_t s = 0; s < steps; s++) {
+        uint64_t now = vn_now_ns();
+        uint64_t due = now < pc->t0 ? 0 : (uint64_t)((double)(now - pc->t0) / pc->ns_per_pkt) + 1;
+        uint32_t k = 0;
+        due = due > pc->offered ? due - pc->offered : 0;
+        if (due) {
+            k = vn_gen(p, tx_idx, due < max ? (uint32_t)due : max, tmpl, plen, pc->offered, seq_off, 0, ts_off);
+            for (uint32_t i = 0; i < k; i++) {
+                uint64_t at = pc->t0 + (uint64_t)((double)(pc->offered + i) * pc->ns_per_pkt);
+                uint32_t b = tx_idx[i];
+                if (p->data_len[b] >= ts_off + 8)
+                    memcpy(vn_buf(p, b) + p->data_off[b] + ts_off, &at, 8);
+                tx_len[i] = plen;
+            }
+            uint32_t sent = vn_tx_burst(t, tx_idx, tx_len, k, 0);
+            if (t->q->error)
+                return -1;
+            if (sent < k) {
+                vn_pool_free(p, tx_idx + sent, k - sent);
+                t->dropped += k - sent;
+            }
+            pc->offered += k;
+            if (k < due && p->top == 0)
+                pc->nobuf += 1;   /* the pool ran dry: the receiver holds everything */
+        }
+        int n = vn_rx_recv(r, rx_idx, rx_len, rx_max);
+        if (n < 0)
+            return -1;
+        if (n > 0) {
+            if (r->lat)
+                vn_lat_measure(r->lat, p, rx_idx, (uint32_t)n, 0);
+            vn_pool_free(p, rx_idx, (uint32_t)n);
+            total += n;
+        }
+        vn_rx_refill(r, r->refill_thresh);
+        if (t->q->num_free < t->cleanup_thresh && vn_tx_cleanup(t, t->cleanup_thresh) < 0)
+            return -1;
+        if (k == 0 && n == 0) {
+            if (spin && ++idle >= spin) {
+                pc->idle = 1;
+                break;
+            }
+        } else {
+            idle = 0;
+        }
+    }
+    pc->next_ns = pc->t0 + (uint64_t)((double)pc->offered * pc->ns_per_pkt);
+    return total;
 }
 
 /* rxonly: receive (spinning up to `spin` empty polls) and free. Returns packets received, or -1. */

@@ -62,3 +62,13 @@ struct vn_lat {
     uint64_t count, sum, min, max, bad;
     uint64_t hist[256];
 };
+
+/* Open-loop pacing (vn_pace_loop): packet k is due at t0 + k * ns_per_pkt. */
+struct vn_pace {
+    double ns_per_pkt;
+    uint64_t t0;            /* CLOCK_MONOTONIC ns of packet 0 */
+    uint64_t offered;       /* packets due so far that were generated (sent or dropped at Tx) */
+    uint64_t next_ns;       /* when the next one is due */
+    uint64_t nobuf;         /* steps that found the pool empty */
+    uint32_t idle, pad;     /* idle: the last call stopped after `spin` idle steps */
+};
