@@ -176,8 +176,10 @@ static inline int vh_dequeue_burst(struct vh_net *n)
 }
 
 /* Publish the Tx completions of the last burst: one used-idx store (split) / one head flags store
- * (packed), then at most one call. The loop does this after the enqueue: the frames are already copied
- * out, and the driver waits for its Rx packets first. */
+ * (packed), then at most one call. The loop does this right after the dequeue when the frames were copied
+ * out (as DPDK's vhost does): a driver that gets its packets back must find their Tx descriptors free, or
+ * with as many packets in flight as the Tx ring holds it drops (testpmd does not retry). Without the
+ * staging copy (direct) it comes after the enqueue, which still reads the Tx buffers. */
 static inline void vh_tx_complete(struct vh_net *n)
 {
     if (!n->tx_unflushed)
@@ -548,6 +550,8 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
     for (uint32_t it = 0; it < max_iters; it++) {
         uint64_t t0 = n->timing ? vh_now_ns() : 0;
         int got = vh_dequeue_burst(n);
+        if (!n->direct)
+            vh_tx_complete(n);
         if (n->direct && n->npkts) {   /* no intermediate queue: every burst goes on at once */
             n->st.flush_rx_batch++;
             vh_txq_flush(n);
