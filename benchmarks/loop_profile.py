@@ -1,15 +1,15 @@
 """Instructions per packet of the C hot paths, in one process: our driver's macfwd step (virtio/csrc/vnet.h,
-``vn_fwd_loop``) against our backend's poll iteration (vhost/csrc/vhost_net.h, ``vh_run``) over the same
+``vn_fwd_burst``) against our backend's poll iteration (vhost/csrc/vhost_net.h, ``vh_run``) over the same
 shared memory, alternating one step of each for N rounds. No clock, no other process: under
-``valgrind --tool=callgrind`` the counts are the same on a quiet and on a loaded machine.
+``valgrind --tool=callgrind`` the counts are the same on a quiet and on a loaded machine. Both functions are
+kept out of line (``noinline``) so that callgrind can count from them; the cffi call overhead is left out.
 
-    valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out \\
-        --toggle-collect=vh_run --toggle-collect=vn_fwd_burst \\
-        python3 benchmarks/loop_profile.py --path packed-normal --rounds 2000
-    python3 benchmarks/loop_profile.py --report /tmp/cg.out      # Ir per packet, device and driver
+    python3 benchmarks/loop_profile.py --callgrind             # every path: Ir/packet of the backend and driver
+    python3 benchmarks/loop_profile.py --callgrind --vhost txq_flush=none --paths packed-normal --keep
+    callgrind_annotate --auto=yes /tmp/vring-cg-*/packed-normal.cg     # where they go, line by line (--keep)
 
-``--callgrind`` runs valgrind itself for every path and prints the table (the way the figures in the closing
-note were made). Without valgrind the script only checks that every packet came back.
+The steps alternate, so each side always sees full bursts of --burst packets (--inject smaller than the burst
+makes them partial). Without ``--callgrind`` the script runs the loop once and checks that nothing was dropped.
 """
 import argparse
 import json
@@ -80,7 +80,7 @@ def run_loop(path, rounds, inject, burst, ring, pkt_size, mrg, vhost_opts=None):
         st = dp.stats()
         return {"path": path, "driver_rx": int(rx.packets), "device_tx": st["tx_packets"],
                 "rx_dropped": st["rx_dropped"], "tx_bursts": st["tx_bursts"], "rx_attempts": st["rx_attempts"],
-                "driver_tx_cleanups": int(tx.cleanups), "in_flight_end": int(nq.tx.inflight)}
+                "driver_tx_cleanups": int(tx.cleanups)}
     finally:
         nq.close()
 
@@ -123,6 +123,10 @@ def callgrind(args):
             with open(cnt) as f:
                 c = json.load(f)
             ir = inclusive_ir(out)
+            missing = [fn for fn in (DEVICE_FN, DRIVER_FN) if not ir.get(fn)]
+            if missing:
+                raise SystemExit(f"callgrind counted nothing in {', '.join(missing)} (inlined? built without "
+                                 f"symbols?)")
             pk = c["device_tx"]
             rows.append({"path": path, "device_ir_per_pkt": round(ir.get(DEVICE_FN, 0) / pk, 1),
                          "driver_ir_per_pkt": round(ir.get(DRIVER_FN, 0) / c["driver_rx"], 1),

@@ -605,100 +605,134 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
 }
 
 /* The fast paths of the device poll: runs of one-descriptor chains (neither NEXT nor INDIRECT, what a
- * virtio-net driver posts almost always), with the checks of the general walk in its order. The queue and
- * chain state is loaded into a local vq_rec once per run: every store through a uint8_t array (seg_write,
- * id_inflight) may alias anything, so fields read through q and c would be reloaded after each one. */
-struct vq_rec {
-    const struct vq_mem *mem;
-    uint16_t *cid, *cndesc, *cnseg, *id_ndesc, *fifo;
-    uint32_t *cstart, *crlen, *cwlen, *slen, *id_wlen;
-    uint64_t *saddr;
-    uint8_t *swrite, *id_inflight, **shost;
-    uint32_t k, s, cap_segs, fifo_tail;
-    uint16_t size, inflight, fifo_count;
-    uint8_t in_order;
+ * virtio-net driver posts almost always), with the checks of the general walk in its order. Two passes over at
+ * most VQ_RUN chains: the first reads and checks descriptors into local arrays (marking each id in flight at once,
+ * so that an id repeated within the run is ID_IN_USE), the second writes what vq_dev_emit + vq_dev_finish_chain
+ * would have, column by column. Every field sits in a local: a store through a uint8_t array (seg_write,
+ * id_inflight) may alias anything, so fields read through q or c would be reloaded after each one, and one loop
+ * writing all the columns would keep more pointers live than there are registers. */
+#define VQ_RUN 32
+
+/* vq_translate with region 0 held in locals (struct vq_reg0): the one region of a usual memory table. */
+struct vq_reg0 {
+    uint64_t gpa, size;
+    uint8_t *host;
 };
 
-static inline void vq_rec_load(struct vq_rec *o, const struct vq_device *q, const struct vq_chains *c)
+static inline void vq_reg0_load(struct vq_reg0 *r, const struct vq_mem *m)
 {
-    o->mem = q->mem;
-    o->cid = c->id; o->cndesc = c->ndesc; o->cnseg = c->nseg; o->cstart = c->seg_start;
-    o->crlen = c->rlen; o->cwlen = c->wlen; o->saddr = c->seg_addr; o->slen = c->seg_len;
-    o->swrite = c->seg_write; o->shost = c->seg_host;
-    o->id_ndesc = q->id_ndesc; o->id_wlen = q->id_wlen; o->id_inflight = q->id_inflight; o->fifo = q->fifo;
-    o->k = c->n; o->s = c->nsegs; o->cap_segs = c->cap_segs;
-    o->size = q->size; o->inflight = q->inflight; o->in_order = q->in_order;
-    o->fifo_count = q->fifo_count;
-    o->fifo_tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
-    if (o->fifo_tail >= o->size)
-        o->fifo_tail -= o->size;
+    r->gpa = m->nregions ? m->r[0].gpa : 0;
+    r->size = m->nregions ? m->r[0].size : 0;
+    r->host = m->nregions ? m->r[0].host : 0;
 }
 
-static inline void vq_rec_store(const struct vq_rec *o, struct vq_device *q, struct vq_chains *c)
+static inline uint8_t *vq_translate0(const struct vq_reg0 *r, const struct vq_mem *m, uint64_t gpa, uint64_t len)
 {
-    c->n = o->k;
-    c->nsegs = o->s;
-    q->inflight = o->inflight;
-    q->fifo_count = o->fifo_count;
+    uint64_t off = gpa - r->gpa;
+    if (r->host && gpa >= r->gpa && off <= r->size && len <= r->size - off)
+        return r->host + off;
+    return vq_translate(m, gpa, len);
 }
 
-/* Record a checked one-descriptor chain (what vq_dev_emit + vq_dev_finish_chain do for it). */
-static inline void vq_rec_one(struct vq_rec *o, uint16_t id, uint64_t addr, uint32_t len, int writable,
-                              uint8_t *host)
+struct vq_run {
+    uint32_t n;
+    uint16_t id[VQ_RUN];
+    uint32_t len[VQ_RUN];
+    uint64_t addr[VQ_RUN];
+    uint8_t *host[VQ_RUN];
+    uint8_t write[VQ_RUN];
+};
+
+static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const struct vq_run *r)
 {
-    uint32_t k = o->k++, s = o->s++;
-    o->saddr[s] = addr; o->slen[s] = len; o->swrite[s] = (uint8_t)writable;
-    if (o->shost)
-        o->shost[s] = host;
-    o->cid[k] = id; o->cndesc[k] = 1; o->cstart[k] = s; o->cnseg[k] = 1;
-    o->crlen[k] = writable ? 0 : len; o->cwlen[k] = writable ? len : 0;
-    o->id_ndesc[id] = 1; o->id_wlen[id] = writable ? len : 0; o->id_inflight[id] = 1;
-    o->inflight++;
-    if (o->in_order) {
-        o->fifo[o->fifo_tail] = id;
-        if (++o->fifo_tail == o->size)
-            o->fifo_tail = 0;
-        o->fifo_count++;
+    uint32_t n = r->n, k0 = c->n, s0 = c->nsegs, j;
+    uint16_t *cid = c->id + k0, *cndesc = c->ndesc + k0, *cnseg = c->nseg + k0;
+    uint32_t *cstart = c->seg_start + k0;
+    for (j = 0; j < n; j++) {
+        cid[j] = r->id[j]; cndesc[j] = 1; cnseg[j] = 1; cstart[j] = s0 + j;
     }
+    uint32_t *crlen = c->rlen + k0, *cwlen = c->wlen + k0, *slen = c->seg_len + s0;
+    uint64_t *saddr = c->seg_addr + s0;
+    for (j = 0; j < n; j++) {
+        uint32_t l = r->len[j], w = r->write[j];
+        crlen[j] = w ? 0 : l; cwlen[j] = w ? l : 0; slen[j] = l; saddr[j] = r->addr[j];
+    }
+    uint16_t *id_ndesc = q->id_ndesc;
+    uint32_t *id_wlen = q->id_wlen;
+    for (j = 0; j < n; j++) {
+        id_ndesc[r->id[j]] = 1;
+        id_wlen[r->id[j]] = r->write[j] ? r->len[j] : 0;
+    }
+    memcpy(c->seg_write + s0, r->write, n);
+    if (c->seg_host)
+        memcpy(c->seg_host + s0, r->host, n * sizeof *r->host);
+    if (q->in_order) {
+        uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
+        uint16_t *fifo = q->fifo, size = q->size;
+        if (tail >= size)
+            tail -= size;
+        for (j = 0; j < n; j++) {
+            fifo[tail] = r->id[j];
+            if (++tail == size)
+                tail = 0;
+        }
+        q->fifo_count += (uint16_t)n;
+    }
+    c->n = k0 + n;
+    c->nsegs = s0 + n;
+    q->inflight += (uint16_t)n;
 }
 
 /* Split: one-descriptor chains from last_avail up to avail_idx (already checked against the jump rule).
  * Stops at a chain of more than one descriptor, or when c is full. 0, or -1 broken. */
 static inline int vq_dev_simple_split(struct vq_device *q, struct vq_chains *c, uint32_t lim, uint16_t avail_idx)
 {
-    struct vq_rec o;
     const struct vring_desc *desc = q->desc;
     const uint16_t *ring = q->avail->ring;
-    uint16_t last = q->last_avail, mask = q->size - 1;
-    int rc = 0;
-    vq_rec_load(&o, q, c);
-    while (last != avail_idx && o.k < lim) {
-        uint16_t head = VQ_ONCE(ring[last & mask]);
-        if (head >= o.size) {
-            rc = vq_dev_fail(q, VQ_ERR_HEAD_OUT_OF_RANGE, head, last);
-            break;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t last = q->last_avail, mask = q->size - 1, size = q->size;
+    int rc = 0, more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && rc == 0 && last != avail_idx && c->n < lim) {
+        struct vq_run r;
+        uint32_t m = lim - c->n, room = c->cap_segs - c->nsegs;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        for (r.n = 0; r.n < m && last != avail_idx; r.n++, last++) {
+            uint16_t head = VQ_ONCE(ring[last & mask]);
+            if (head >= size) {
+                rc = vq_dev_fail(q, VQ_ERR_HEAD_OUT_OF_RANGE, head, last);
+                break;
+            }
+            if (id_inflight[head]) {
+                rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, last);
+                break;
+            }
+            uint16_t flags = VQ_ONCE(desc[head].flags);
+            if (flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) {
+                more = 0;
+                break;
+            }
+            uint64_t addr = VQ_ONCE(desc[head].addr);
+            uint32_t len = VQ_ONCE(desc[head].len);
+            uint8_t *host = vq_translate0(&r0, mem, addr, len);
+            if (!host) {
+                rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+                break;
+            }
+            if (r.n >= room) {
+                more = 0;
+                break;
+            }
+            id_inflight[head] = 1;
+            r.id[r.n] = head; r.addr[r.n] = addr; r.len[r.n] = len; r.host[r.n] = host;
+            r.write[r.n] = !!(flags & VIRTQ_DESC_F_WRITE);
         }
-        if (o.id_inflight[head]) {
-            rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, last);
-            break;
-        }
-        uint16_t flags = VQ_ONCE(desc[head].flags);
-        if (flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))
-            break;
-        uint64_t addr = VQ_ONCE(desc[head].addr);
-        uint32_t len = VQ_ONCE(desc[head].len);
-        uint8_t *host = vq_translate(o.mem, addr, len);
-        if (!host) {
-            rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
-            break;
-        }
-        if (o.s >= o.cap_segs)
-            break;
-        vq_rec_one(&o, head, addr, len, !!(flags & VIRTQ_DESC_F_WRITE), host);
-        last++;
+        vq_run_record(q, c, &r);
     }
     q->last_avail = last;
-    vq_rec_store(&o, q, c);
     return rc;
 }
 
@@ -706,44 +740,59 @@ static inline int vq_dev_simple_split(struct vq_device *q, struct vq_chains *c, 
  * more than one descriptor, or when c is full. 0, or -1 broken. */
 static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c, uint32_t lim)
 {
-    struct vq_rec o;
     const struct vring_packed_desc *ring = q->pdesc;
-    uint16_t slot = q->last_avail, w = q->avail_wrap;
-    int rc = 0;
-    vq_rec_load(&o, q, c);
-    while (o.k < lim) {
-        const struct vring_packed_desc *d = &ring[slot];
-        uint16_t flags = VQ_ACQUIRE(d->flags);
-        if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) == w
-                || (flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)))
-            break;
-        uint64_t addr = VQ_ONCE(d->addr);
-        uint32_t len = VQ_ONCE(d->len);
-        uint16_t id = VQ_ONCE(d->id);
-        uint8_t *host = vq_translate(o.mem, addr, len);
-        if (!host) {
-            rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
-            break;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t slot = q->last_avail, w = q->avail_wrap, size = q->size;
+    int rc = 0, more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && rc == 0 && c->n < lim) {
+        struct vq_run r;
+        uint32_t m = lim - c->n, room = c->cap_segs - c->nsegs;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        for (r.n = 0; r.n < m; r.n++) {
+            const struct vring_packed_desc *d = &ring[slot];
+            uint16_t flags = VQ_ACQUIRE(d->flags);
+            /* PACKED-V-18: available iff AVAIL == wrap and USED != wrap; and neither NEXT nor INDIRECT */
+            if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED | VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))
+                    != vq_avail_bits(w)) {
+                more = 0;
+                break;
+            }
+            uint64_t addr = VQ_ONCE(d->addr);
+            uint32_t len = VQ_ONCE(d->len);
+            uint16_t id = VQ_ONCE(d->id);
+            uint8_t *host = vq_translate0(&r0, mem, addr, len);
+            if (!host) {
+                rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+                break;
+            }
+            if (r.n >= room) {
+                more = 0;
+                break;
+            }
+            if (id >= size) {   /* PACKED-V-10 */
+                rc = vq_dev_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, slot);
+                break;
+            }
+            if (id_inflight[id]) {
+                rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, id, slot);
+                break;
+            }
+            id_inflight[id] = 1;
+            r.id[r.n] = id; r.addr[r.n] = addr; r.len[r.n] = len; r.host[r.n] = host;
+            r.write[r.n] = !!(flags & VIRTQ_DESC_F_WRITE);
+            if (++slot == size) {
+                slot = 0;
+                w ^= 1;
+            }
         }
-        if (o.s >= o.cap_segs)
-            break;
-        if (id >= o.size) {   /* PACKED-V-10 */
-            rc = vq_dev_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, slot);
-            break;
-        }
-        if (o.id_inflight[id]) {
-            rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, id, slot);
-            break;
-        }
-        vq_rec_one(&o, id, addr, len, !!(flags & VIRTQ_DESC_F_WRITE), host);
-        if (++slot == o.size) {
-            slot = 0;
-            w ^= 1;
-        }
+        vq_run_record(q, c, &r);
     }
     q->last_avail = slot;
     q->avail_wrap = w;
-    vq_rec_store(&o, q, c);
     return rc;
 }
 
