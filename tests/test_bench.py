@@ -198,6 +198,17 @@ def _processes_mentioning(text):
     (["--pairs", "ours/dpdk", "--pkt-size", "4000"], "mbufs"),
     (["--driver", "qemu"], "invalid choice"),
     (["--seconds", "x"], "invalid float"),
+    (["--rate", "0"], "out of range"),
+    (["--rate", "fast"], "not a number"),
+    (["--rate", "10k", "--pairs", "dpdk/ours"], "paces our driver"),
+    (["--modes", "poll,spin"], "unknown mode"),
+    (["--modes", "poll", "--notify"], "contradict"),
+    (["--idle", "-1"], "--idle"),
+    (["--idle-polls", "0"], "idle polls"),
+    (["--study", "colours"], "invalid choice"),
+    (["--study", "txq", "--vs-dpdk"], "ours/ours only"),
+    (["--study", "doorbell", "--notify"], "its own mode"),
+    (["--txq-flush", "never"], "txq flush"),
 ])
 def test_bad_arguments_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -76,95 +76,86 @@ class BenchError(RuntimeError):
 
 # --------------------------------------------------------------------------------------------- parsing
 
+def _parse_list(text, one, what):
+    """A comma-separated list: each token through ``one`` (which returns a list of values or raises ValueError
+    with the message), duplicates dropped, order kept; at least one value."""
+    out = []
+    for tok in (t.strip().lower() for t in str(text).split(",")):
+        if tok:
+            out += [v for v in one(tok) if v not in out]
+    if not out:
+        raise ValueError(f"no {what} given")
+    return out
+
+
+def _one_path(tok):
+    tok = tok.replace("_", "-").replace("inorder", "in-order")
+    if tok == "all":
+        return list(PATHS)
+    if tok in ("split", "packed"):
+        return [f"{tok}-normal", f"{tok}-in-order"]
+    if tok in ("normal", "in-order"):
+        return [f"split-{tok}", f"packed-{tok}"]
+    if tok in PATHS:
+        return [tok]
+    raise ValueError(f"unknown path {tok!r}: use {', '.join(PATHS)} (or split, packed, normal, in-order, all)")
+
+
 def parse_paths(text):
     """'split-normal,packed-in-order' -> ordered unique list. Also: 'all', 'split', 'packed' (both variants),
     'normal', 'in-order' (both formats), 'inorder' for 'in-order'."""
-    out = []
-    for tok in (t.strip().lower().replace("_", "-").replace("inorder", "in-order") for t in text.split(",")):
-        if not tok:
-            continue
-        if tok == "all":
-            names = list(PATHS)
-        elif tok in ("split", "packed"):
-            names = [f"{tok}-normal", f"{tok}-in-order"]
-        elif tok in ("normal", "in-order"):
-            names = [f"split-{tok}", f"packed-{tok}"]
-        elif tok in PATHS:
-            names = [tok]
-        else:
-            raise ValueError(f"unknown path {tok!r}: use {', '.join(PATHS)} (or split, packed, normal, in-order, all)")
-        out += [n for n in names if n not in out]
-    if not out:
-        raise ValueError("no path given")
-    return out
+    return _parse_list(text, _one_path, "path")
+
+
+def _one_pair(tok):
+    tok = {"ours": "ours/ours", "dpdk": "dpdk/dpdk"}.get(tok, tok)
+    if tok not in PAIRS:
+        raise ValueError(f"unknown pair {tok!r}: DRIVER/DEVICE with each ours or dpdk ({', '.join(PAIRS)})")
+    return [tok]
 
 
 def parse_pairs(text):
-    out = []
-    alias = {"ours": "ours/ours", "dpdk": "dpdk/dpdk"}
-    for tok in (t.strip().lower() for t in text.split(",")):
-        if not tok:
-            continue
-        tok = alias.get(tok, tok)
-        if tok not in PAIRS:
-            raise ValueError(f"unknown pair {tok!r}: DRIVER/DEVICE with each ours or dpdk ({', '.join(PAIRS)})")
-        if tok not in out:
-            out.append(tok)
-    if not out:
-        raise ValueError("no pair given")
-    return out
+    return _parse_list(text, _one_pair, "pair")
+
+
+def _one_size(tok):
+    try:
+        n = int(tok, 0)
+    except ValueError:
+        raise ValueError(f"packet size {tok!r} is not an integer") from None
+    if not MIN_PKT <= n <= MAX_PKT:
+        raise ValueError(f"packet size {n} out of range {MIN_PKT}..{MAX_PKT} (frame bytes without FCS)")
+    return [n]
 
 
 def parse_sizes(text):
-    out = []
-    for tok in (t.strip() for t in str(text).split(",")):
-        if not tok:
-            continue
-        try:
-            n = int(tok, 0)
-        except ValueError:
-            raise ValueError(f"packet size {tok!r} is not an integer") from None
-        if not MIN_PKT <= n <= MAX_PKT:
-            raise ValueError(f"packet size {n} out of range {MIN_PKT}..{MAX_PKT} (frame bytes without FCS)")
-        if n not in out:
-            out.append(n)
-    if not out:
-        raise ValueError("no packet size given")
-    return out
+    return _parse_list(text, _one_size, "packet size")
+
+
+def _one_rate(tok):
+    mult = {"k": 1e3, "m": 1e6}.get(tok[-1], 1)
+    try:
+        r = float(tok[:-1] if mult != 1 else tok) * mult
+    except ValueError:
+        raise ValueError(f"rate {tok!r} is not a number of frames per second (e.g. 10k, 1M, 250000)") from None
+    if not 1 <= r <= MAX_RATE:
+        raise ValueError(f"rate {r:g} out of range 1..{MAX_RATE:g} frames per second")
+    return [r]
 
 
 def parse_rates(text):
     """'10k,1M,2.5e6' -> [10000.0, 1000000.0, 2500000.0] (frames per second, in the order given)."""
-    out = []
-    for tok in (t.strip().lower() for t in str(text).split(",")):
-        if not tok:
-            continue
-        mult = {"k": 1e3, "m": 1e6}.get(tok[-1], 1)
-        try:
-            r = float(tok[:-1] if mult != 1 else tok) * mult
-        except ValueError:
-            raise ValueError(f"rate {tok!r} is not a number of frames per second (e.g. 10k, 1M, 250000)") from None
-        if not 1 <= r <= MAX_RATE:
-            raise ValueError(f"rate {r:g} out of range 1..{MAX_RATE:g} frames per second")
-        if r not in out:
-            out.append(r)
-    if not out:
-        raise ValueError("no rate given")
-    return out
+    return _parse_list(text, _one_rate, "rate")
+
+
+def _one_mode(tok):
+    if tok not in MODES:
+        raise ValueError(f"unknown mode {tok!r}: poll (both sides busy-poll) or notify (both sleep when idle)")
+    return [tok]
 
 
 def parse_modes(text):
-    out = []
-    for tok in (t.strip().lower() for t in str(text).split(",")):
-        if not tok:
-            continue
-        if tok not in MODES:
-            raise ValueError(f"unknown mode {tok!r}: poll (both sides busy-poll) or notify (both sleep when idle)")
-        if tok not in out:
-            out.append(tok)
-    if not out:
-        raise ValueError("no mode given")
-    return out
+    return _parse_list(text, _one_mode, "mode")
 
 
 # --------------------------------------------------------------------------------------------- config

@@ -252,6 +252,23 @@ static inline uint32_t vq_drv_add(struct vq_driver *q, const uint64_t *addrs, co
     return i;
 }
 
+/* The bookkeeping of one added one-descriptor buffer (the arrays from the caller's locals). */
+static inline void vq_drv_track1(uint16_t *id_ndesc, uint32_t *id_wlen, uint64_t *id_token, uint8_t *id_inflight,
+                                 uint16_t id, uint32_t wlen, uint64_t token)
+{
+    id_ndesc[id] = 1;
+    id_wlen[id] = wlen;
+    id_token[id] = token;
+    id_inflight[id] = 1;
+}
+
+static inline void vq_drv_added(struct vq_driver *q, uint16_t n)
+{
+    q->num_free -= n;
+    q->inflight += n;
+    q->kick_added += n;
+}
+
 /* One-descriptor buffers, split: the state in locals (stores through id_inflight, a uint8_t array, may alias
  * anything: fields read through q would be reloaded after each one). What vq_drv_add1_split does for nseg 1. */
 static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
@@ -273,10 +290,7 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
         struct vring_desc *d = &desc[id];
         head = in_order ? (uint16_t)((id + 1) & mask) : free_next[id];
         d->addr = addrs[i]; d->len = lens[i]; d->flags = flags; d->next = 0;
-        id_ndesc[id] = 1;
-        id_wlen[id] = writable ? lens[i] : 0;
-        id_token[id] = tokens[i];
-        id_inflight[id] = 1;
+        vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
         ring[next_avail++ & mask] = id;
     }
     if (in_order)
@@ -284,9 +298,7 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
     else
         q->free_head = head;
     q->next_avail = next_avail;
-    q->num_free -= (uint16_t)i;
-    q->inflight += (uint16_t)i;
-    q->kick_added += (uint16_t)i;
+    vq_drv_added(q, (uint16_t)i);
     return i;
 }
 
@@ -319,10 +331,7 @@ static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint6
         } else {
             VQ_SET(d->flags, flags);
         }
-        id_ndesc[id] = 1;
-        id_wlen[id] = writable ? lens[i] : 0;
-        id_token[id] = tokens[i];
-        id_inflight[id] = 1;
+        vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
         if (++slot == size) {
             slot = 0;
             wrap ^= 1;
@@ -332,9 +341,7 @@ static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint6
     q->avail_wrap = wrap;
     q->free_head = head;
     q->pending = pending;
-    q->num_free -= (uint16_t)i;
-    q->inflight += (uint16_t)i;
-    q->kick_added += (uint16_t)i;
+    vq_drv_added(q, (uint16_t)i);
     return i;
 }
 
