@@ -10,9 +10,9 @@ CPUs: by default the two least busy CPUs this process may use (from /proc/stat o
 least busy; both sides on one CPU only when one is allowed, with a warning. ``--cpus DEVICE,DRIVER`` overrides.
 
 Modes: ``poll`` (both sides busy-poll, as testpmd does) or ``notify`` (ours: ``vring vhost --idle sleep``, ``vring
-driver --wait``: poll while busy, then enable notifications, re-check, block on the eventfd). In notify mode the
-driver first stays idle for ``idle_first`` seconds with its queues up, and the CPU both processes use over that
-interval is the idle cost.
+driver --wait``: poll while busy, then enable notifications, re-check, block on the eventfd). With ``idle_first``
+(vring bench sets it when notify is among the modes) our driver first stays idle for that many seconds with its
+queues up, and the CPU both processes use over that interval is the idle cost, polled or notified.
 
 Closed loop (default): N packets are injected and loop. Open loop (``rates``): our driver offers PPS frames/s,
 each stamped with the time it was due; latency is measured against that stamp (a late sender counts).
@@ -53,7 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 PATHS = {  # name -> (packed, in_order)
     "split-normal": (False, False),
@@ -180,7 +180,7 @@ class BenchConfig:
     cpu_choice: dict = field(default_factory=dict)   # how the CPUs were chosen (for the output)
     modes: list = field(default_factory=lambda: ["poll"])
     rates: list = field(default_factory=list)        # offered frames/s (open loop); empty: closed loop
-    idle_first: float = 0.0        # notify mode, our driver: idle seconds before traffic (idle CPU cost)
+    idle_first: float = 0.0        # our driver, closed loop: idle seconds before traffic (idle CPU cost)
     idle_polls: int = 256          # notify mode, our device: empty polls before it sleeps
     study: str | None = None       # vring bench --study NAME (vring/studies.py)
     startup_timeout: float = 30.0
@@ -507,8 +507,9 @@ class Measurement:
 
     @property
     def idle_first(self):
-        """Seconds our driver stays idle before traffic (notify mode, our driver, closed loop)."""
-        if self.notify and self.driver_kind == "ours" and self.point.rate is None:
+        """Seconds our driver stays idle before traffic (our driver, closed loop; vring bench sets it when notify
+        is among the modes, so that polled points show what polling an idle queue costs beside them)."""
+        if self.driver_kind == "ours" and self.point.rate is None:
             return self.cfg.idle_first
         return 0.0
 
@@ -1109,12 +1110,12 @@ def format_table(result):
         return studies.format_study(result)
     pts = result["points"]
     rates = any(p.get("offered_pps") is not None for p in pts)
-    notify = any(p.get("mode") == "notify" for p in pts)
+    idle = any((p.get("cpu") or {}).get("idle_device") is not None for p in pts)
     head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} "
             + (f"{'offered':>8s} " if rates else "")
             + f"{'Mpps':>7s} {'min-max':>13s} {'vs dpdk':>7s} {'p50 us':>8s} {'p99 us':>8s} {'p99.9 us':>9s} "
               f"{'kick/pkt':>9s} {'call/pkt':>9s} {'cpu dev':>7s} {'cpu drv':>7s} "
-            + (f"{'idle dev':>8s} {'idle drv':>8s} " if notify else "")
+            + (f"{'idle dev':>8s} {'idle drv':>8s} " if idle else "")
             + f"{'retries':>7s} {'drops':>6s} {'loss':>5s}")
     lines = [result.get("pinning") or "", head, "-" * len(head)]
     prev = None
@@ -1138,7 +1139,7 @@ def format_table(result):
               f"{_fmt(lat['p99.9_us'], '9.1f'):>9s} {_small(nt['kicks_per_packet']):>9s} "
               f"{_small(nt['calls_per_packet']):>9s} {_pct(cpu.get('measured_device')):>7s} "
               f"{_pct(cpu.get('measured_driver')):>7s} "
-            + (f"{_pct(cpu.get('idle_device')):>8s} {_pct(cpu.get('idle_driver')):>8s} " if notify else "")
+            + (f"{_pct(cpu.get('idle_device')):>8s} {_pct(cpu.get('idle_driver')):>8s} " if idle else "")
             + f"{_fmt(p['retries'], 'd'):>7s} {p['drops']:>6d} "
               f"{'ok' if p['loss_check_ok'] else 'FAIL':>5s}" + ("  noisy" if p.get("noisy") else ""))
     lines += _footer(result)
@@ -1152,7 +1153,7 @@ def _footer(result):
         lines.append("vs dpdk: rate / dpdk/dpdk's at the same point, median of the side-by-side (same repeat) ratios")
     lines.append("cpu: CPU seconds per second of each process over the measured window (100% = one CPU busy)"
                  + ("; idle: the same over our driver's idle interval (queues up, no traffic)"
-                    if any(p.get("mode") == "notify" for p in pts) else ""))
+                    if any((p.get("cpu") or {}).get("idle_device") is not None for p in pts) else ""))
     if any(p.get("noisy") for p in pts):
         lines.append(f"noisy: other work used more than {NOISY:.0%} of the pinned CPUs during the window")
     for e in result.get("errors", []):

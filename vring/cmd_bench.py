@@ -76,8 +76,8 @@ def register(sub):
     n.add_argument("--modes", type=_list_type(bench.parse_modes), default=None, metavar="poll,notify",
                    help="modes to measure side by side (default: poll; notify with --notify; both with --rate)")
     n.add_argument("--idle", type=float, default=None, metavar="S",
-                   help="notify mode: seconds our driver stays idle (queues up, no traffic) before sending, to "
-                        "measure what an idle queue costs (default 2; 0: skip)")
+                   help="seconds our driver stays idle (queues up, no traffic) before sending, to measure what an "
+                        "idle queue costs polled and notified (default: 2 when notify is among the modes, else 0)")
     n.add_argument("--idle-polls", type=int, default=256, metavar="N",
                    help="notify mode: empty polls before our backend sleeps (default 256)")
     n.add_argument("--rate", type=_list_type(bench.parse_rates), default=None, metavar="PPS,...",
