@@ -412,11 +412,100 @@ static inline int vq_drv_check_len(struct vq_driver *q, uint16_t id, uint32_t le
     return 0;
 }
 
+/* The fast paths of the reclaims: runs of used entries that are each one valid one-descriptor buffer (in-order:
+ * exactly the oldest, no batch), with the state in locals (see vq_drv_add_simple_split). Anything else, valid
+ * or not, stops the run and is left to the general walk below, which checks and reports it. Return the buffers
+ * reclaimed. */
+static inline uint32_t vq_drv_reclaim_simple_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens,
+                                                   uint32_t max)
+{
+    const struct vring_used_elem *ring = q->used->ring;
+    const uint16_t *id_ndesc = q->id_ndesc;
+    const uint32_t *id_wlen = q->id_wlen;
+    const uint64_t *id_token = q->id_token;
+    uint16_t *free_next = q->free_next;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t size = q->size, mask = size - 1, last = q->last_used, used_idx = VQ_ACQUIRE(q->used->idx);
+    uint16_t free_head = q->free_head, oldest = q->oldest;
+    int in_order = q->in_order;
+    uint32_t n = 0;
+    if ((uint16_t)(used_idx - last) > size)
+        return 0;
+    for (; last != used_idx && n < max; last++, n++) {
+        const struct vring_used_elem *e = &ring[last & mask];
+        uint32_t id = VQ_ONCE(e->id), len = VQ_ONCE(e->len);
+        if (id >= size || !id_inflight[id] || id_ndesc[id] != 1 || len > id_wlen[id] || (in_order && id != oldest))
+            break;
+        tokens[n] = id_token[id];
+        lens[n] = len;
+        if (in_order) {
+            oldest = (uint16_t)((id + 1) & mask);
+        } else {
+            free_next[id] = free_head;
+            free_head = (uint16_t)id;
+        }
+        id_inflight[id] = 0;
+    }
+    q->last_used = last;
+    q->free_head = free_head;
+    q->oldest = oldest;
+    q->num_free += (uint16_t)n;
+    q->inflight -= (uint16_t)n;
+    return n;
+}
+
+static inline uint32_t vq_drv_reclaim_simple_packed(struct vq_driver *q, uint64_t *tokens, uint32_t *lens,
+                                                    uint32_t max)
+{
+    const struct vring_packed_desc *ring = q->pdesc;
+    const uint16_t *id_ndesc = q->id_ndesc;
+    const uint32_t *id_wlen = q->id_wlen;
+    const uint64_t *id_token = q->id_token;
+    uint16_t *free_next = q->free_next;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t size = q->size, slot = q->last_used, w = q->used_wrap, free_head = q->free_head;
+    uint16_t inflight = q->inflight;
+    int in_order = q->in_order;
+    uint32_t n = 0;
+    for (; n < max && n < inflight; n++) {
+        const struct vring_packed_desc *d = &ring[slot];
+        uint16_t flags = VQ_ACQUIRE(d->flags);
+        /* PACKED-D-24: used iff AVAIL == USED == used wrap counter */
+        if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED)) != vq_used_bits(w))
+            break;
+        uint16_t id = VQ_ONCE(d->id);
+        uint32_t len = VQ_ONCE(d->len);
+        if (id >= size || !id_inflight[id] || id_ndesc[id] != 1 || (in_order && id != slot))
+            break;
+        if (!(flags & VIRTQ_DESC_F_WRITE) && id_wlen[id] == 0)   /* PACKED-D-17, as below */
+            len = 0;
+        if (len > id_wlen[id])
+            break;
+        tokens[n] = id_token[id];
+        lens[n] = len;
+        if (!in_order) {
+            free_next[id] = free_head;
+            free_head = id;
+        }
+        id_inflight[id] = 0;
+        if (++slot == size) {
+            slot = 0;
+            w ^= 1;
+        }
+    }
+    q->last_used = slot;
+    q->used_wrap = w;
+    q->free_head = free_head;
+    q->num_free += (uint16_t)n;
+    q->inflight -= (uint16_t)n;
+    return n;
+}
+
 /* Split reclaim; returns the number of buffers, or -1 when the ring is broken. */
 static inline int vq_drv_reclaim_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
 {
+    uint32_t n = vq_drv_reclaim_simple_split(q, tokens, lens, max);
     uint16_t size = q->size, used_idx = VQ_ACQUIRE(q->used->idx);
-    uint32_t n = 0;
     if ((uint16_t)(used_idx - q->last_used) > size)
         return vq_drv_fail(q, VQ_ERR_USED_IDX_JUMP, q->last_used, used_idx);
     while (q->last_used != used_idx && n < max) {
@@ -467,7 +556,7 @@ static inline void vq_drv_advance_used_packed(struct vq_driver *q, uint16_t ndes
 static inline int vq_drv_reclaim_packed(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
 {
     uint16_t size = q->size;
-    uint32_t n = 0;
+    uint32_t n = vq_drv_reclaim_simple_packed(q, tokens, lens, max);
     while (n < max && q->inflight) {
         struct vring_packed_desc *d = &q->pdesc[q->last_used];
         uint16_t flags = VQ_ACQUIRE(d->flags);
