@@ -69,6 +69,8 @@ def test_ours_against_ours_all_four_paths(tmp_path, tracked, capsys):
         assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
         lc = r["loss_check"]
         assert lc["ok"] and lc["injected"] == 256 and lc["unaccounted"] == 0
+        # no drops at start: 256 in flight in a 256-entry Rx ring, reposted before each burst goes back out
+        assert r["drops"]["device"]["rx_dropped"] == 0
         assert lc["injected"] == lc["in_flight"] + lc["lost"]
         assert r["rate"]["samples_pps"]
         assert r["counters"]["driver"]["tx"]["packets"] == r["counters"]["device"]["txq1"]["tx_packets"]
@@ -196,6 +198,17 @@ def _processes_mentioning(text):
     (["--pairs", "ours/dpdk", "--pkt-size", "4000"], "mbufs"),
     (["--driver", "qemu"], "invalid choice"),
     (["--seconds", "x"], "invalid float"),
+    (["--rate", "0"], "out of range"),
+    (["--rate", "fast"], "not a number"),
+    (["--rate", "10k", "--pairs", "dpdk/ours"], "paces our driver"),
+    (["--modes", "poll,spin"], "unknown mode"),
+    (["--modes", "poll", "--notify"], "contradict"),
+    (["--idle", "-1"], "--idle"),
+    (["--idle-polls", "0"], "idle polls"),
+    (["--study", "colours"], "invalid choice"),
+    (["--study", "txq", "--vs-dpdk"], "ours/ours only"),
+    (["--study", "doorbell", "--notify"], "its own mode"),
+    (["--txq-flush", "never"], "txq flush"),
 ])
 def test_bad_arguments_exit_2(args, message, capsys):
     with pytest.raises(SystemExit) as e:

@@ -24,15 +24,16 @@ log = logging.getLogger("vhost")
 
 FWD_MODES = {"macswap": 0, "io": 1, "rxonly": 2}
 USED_BATCH = ("per-burst", "per-buffer")
+IDLE_MODES = ("poll", "sleep")
 MAX_RETRIES = 8
 STATS_FIELDS = tuple(name for name, _ in ffi.typeof("struct vh_stats").fields)
 
 #: Per-queue counters (vring 0 = the driver's Rx queue, vring 1 = its Tx queue) and the intermediate queue's.
 RXQ_FIELDS = ("rx_packets", "rx_bytes", "rx_buffers", "rx_dropped", "rx_too_big", "rx_runt_bufs",
               "rx_retries", "rx_attempts", "rx_calls")
-TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls")
+TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls", "tx_kicks")
 INTERMEDIATE_FIELDS = ("flush_threshold", "flush_rx_batch", "flush_timer", "flush_idle", "fwd_dropped",
-                       "iterations", "busy_iterations", "busy_ns")
+                       "iterations", "busy_iterations", "busy_ns", "sleeps")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class Options:
     pkt_size: int = 2048              # bytes per backend packet buffer (larger packets are dropped)
     timing: bool = False              # count busy_ns: the time of iterations that moved packets
     pcap: object = field(default=None, compare=False, repr=False)  # rings.pcap.PcapWriter: capture per burst
+    idle: str = "poll"                # 'poll' | 'sleep' (block on the kick eventfd after idle_polls empty polls)
+    idle_polls: int = 256
 
     def __post_init__(self):
         if not 1 <= self.burst <= 1024:
@@ -63,12 +66,16 @@ class Options:
             raise ConfigError(f"forwarding mode must be one of {tuple(FWD_MODES)}, not {self.fwd!r}")
         if not 64 <= self.pkt_size <= 65536:
             raise ConfigError(f"packet buffer size must be 64..65536, not {self.pkt_size}")
+        if self.idle not in IDLE_MODES:
+            raise ConfigError(f"idle mode must be one of {IDLE_MODES}, not {self.idle!r}")
+        if not 1 <= self.idle_polls <= 1 << 30:
+            raise ConfigError(f"idle polls must be 1..{1 << 30}, not {self.idle_polls}")
         self.flush_mode()
 
     def flush_mode(self):
-        """(C mode, timer in ns) for ``txq_flush``."""
+        """(C mode, timer in ns) for ``txq_flush`` ('none' runs as rx-batch, with no staging copy: ``direct``)."""
         f = self.txq_flush
-        if f == "rx-batch":
+        if f in ("rx-batch", "none"):
             return 0, 0
         if f == "threshold":
             return 2, 0
@@ -80,7 +87,12 @@ class Options:
             if not 0 <= us <= 10_000_000:
                 raise ConfigError(f"txq flush timer must be timer:US with US in 0..10000000, not {f!r}")
             return 1, us * 1000
-        raise ConfigError(f"txq flush must be rx-batch, timer:US or threshold, not {f!r}")
+        raise ConfigError(f"txq flush must be none, rx-batch, timer:US or threshold, not {f!r}")
+
+    @property
+    def direct(self):
+        """--txq-flush none: no intermediate queue; one-segment frames go from the Tx buffer straight into Rx."""
+        return self.txq_flush == "none"
 
 
 def hdr_len(features):
@@ -145,8 +157,12 @@ class Datapath:
         cap = options.txq_threshold + options.burst
         self._pkt_data = np.zeros(cap * options.pkt_size, np.uint8)
         self._pkt_len = np.zeros(cap, np.uint32)
+        self._pkt_src = ffi.new("const uint8_t *[]", cap)
         n.pkt_data = _ptr("uint8_t *", self._pkt_data)
         n.pkt_len = _ptr("uint32_t *", self._pkt_len)
+        n.pkt_src = self._pkt_src
+        n.direct = options.direct
+        n.idle_polls = options.idle_polls if options.idle == "sleep" else 0
         n.pkt_size, n.pkt_cap = options.pkt_size, cap
         scratch = max(max(sizes), options.burst)
         self._ids = np.zeros(scratch, np.uint32)
@@ -216,6 +232,16 @@ class Datapath:
     def idle(self):
         """True when no queue is left to poll."""
         return self.n.txq == ffi.NULL
+
+    @property
+    def sleeping(self):
+        """--idle sleep: the last ``run()`` enabled kicks, found the Tx queue still empty and stopped; block on
+        vring 1's kick eventfd (then call ``kicked()``) before the next ``run()``."""
+        return bool(self.n.sleep)
+
+    def kicked(self, count):
+        """Kicks read from vring 1's eventfd (its counter: writes since the last read)."""
+        self.n.st.tx_kicks += count
 
     # -- counters --------------------------------------------------------------------------------
 

@@ -406,6 +406,23 @@ class NetDevice:
                       type(e).__name__, e.spec, e)
         return errors
 
+    def sleep_fd(self):
+        """--idle sleep: vring 1's kick eventfd once the data path has asked to block on it; -1 when it asked but
+        the frontend gave no kick fd (the server naps instead); None while it polls."""
+        dp = self.datapath
+        if dp is None or not dp.sleeping:
+            return None
+        return max(self.vrings[1].kickfd, -1)
+
+    def kicked(self):
+        """The kick eventfd is readable: consume it (its counter is the kicks since the last read)."""
+        try:
+            count = os.eventfd_read(self.vrings[1].kickfd)
+        except (BlockingIOError, OSError):
+            count = 0
+        if self.datapath is not None:
+            self.datapath.kicked(count)
+
     def stats(self):
         """Counters of this connection so far (stopped data paths plus the running one)."""
         total = dict(self.totals)

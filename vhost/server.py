@@ -184,16 +184,33 @@ class Server:
             return
         dev = self.device
         timeout = idle_timeout
+        waits = [self.conn.sock]
+        kick = None
         if dev.datapath is not None and not dev.datapath.idle:
             errors = dev.run(self.budget_us)
             self.ring_errors += len(errors)
             timeout = 0
+            kick = dev.sleep_fd()
+            if kick is not None:   # --idle sleep: block until kicked (or a message, or time to look around)
+                timeout = self._nap() if kick >= 0 else 0.001
+                if kick >= 0:
+                    waits.append(kick)
         try:
-            r, _, _ = select.select([self.conn.sock], [], [], timeout)
+            r, _, _ = select.select(waits, [], [], timeout)
         except (OSError, ValueError):
-            r = [True]
-        if r:
+            r = [self.conn.sock]
+        if kick is not None and kick >= 0 and kick in r:
+            dev.kicked()
+        if self.conn.sock in r:
             self._serve_one()
+
+    def _nap(self):
+        """How long a sleeping data path may block: until the next counters line, at most 0.1 s (so that stop()
+        and the serve loop's checks are seen quickly)."""
+        nap = 0.1
+        if self._next_stats is not None:
+            nap = min(nap, max(0.0, self._next_stats - time.monotonic()))
+        return nap
 
     def serve(self, max_connections=None, until=None):
         """Serve until ``stop()`` (or a signal handler sets ``stopping``), ``max_connections`` frontends have

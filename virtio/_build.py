@@ -32,6 +32,10 @@ uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, const uint8_t *t
 int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
 uint64_t vn_now_ns(void);
 void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n);
+void vn_lat_reset(struct vn_lat *l);
+int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn_pace *pc, uint32_t *tx_idx, uint32_t *tx_len,
+                     uint32_t *rx_idx, uint32_t *rx_len, const uint8_t *tmpl, uint32_t plen, uint32_t seq_off,
+                     uint32_t ts_off, uint32_t max, uint32_t rx_max, uint32_t spin, uint32_t steps);
 int vq_drv_kick_prepare(struct vq_driver *q);
 void vq_drv_publish(struct vq_driver *q);
 """)

@@ -5,7 +5,12 @@ Used by ``vring driver`` (vring/cmd_driver.py), the interop tests and the benchm
 * ``txonly``: generate frames (C fills them from a template) and send them, a burst at a time;
 * ``rxonly``: receive and free;
 * ``macfwd``: receive, swap MAC addresses, send back (one C call per burst). ``count`` frames are injected
-  first, like testpmd's ``start tx_first``.
+  first, like testpmd's ``start tx_first``;
+* ``rate``: open loop, ``rate`` frames per second generated and sent on schedule (each stamped with the time it
+  was due), the frames that come back measured and freed (``vring bench --rate``).
+
+With ``wait`` the driver polls while busy and, after ``spin`` empty polls, enables used-buffer notifications,
+re-checks the ring and blocks on the Rx call eventfd (RxQueue.wait).
 
 The loop runs Python once per burst. At the end Tx is drained (cleanup until nothing is in flight), Rx is
 drained for ``drain`` seconds (packets counted and freed), the vrings are stopped (SET_VRING_ENABLE 0,
@@ -15,6 +20,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -63,6 +69,13 @@ class DriverConfig:
     ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
     pcap: str | None = None   # write the frames sent and received (Python once per burst while capturing)
     pcap_count: int = 10000   # at most this many frames (0: no limit)
+    rate: float = 0.0         # rate mode: frames per second offered
+    latency_warmup: float = 0.0   # start the latency histogram over this many seconds after the loop starts
+    idle_first: float = 0.0   # stay idle (queues up, nothing sent) this long before injecting (idle CPU cost)
+    tx_hdr: str = "headroom"  # Tx variants (virtio.net.TX_HDR, HDR_INIT, DOORBELL), fixed per queue
+    hdr_init: str = "burst"
+    doorbell: str = "burst"
+    rx_burst: int = 0         # rate mode: at most this many frames received per step (0: burst)
 
 
 def pin_all_threads(cpu):
@@ -96,8 +109,10 @@ def run(cfg: DriverConfig, on_ready=None):
     """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started."""
     if cfg.pin is not None:
         pin_all_threads(cfg.pin)
-    if cfg.mode not in ("txonly", "rxonly", "macfwd"):
+    if cfg.mode not in ("txonly", "rxonly", "macfwd", "rate"):
         raise ValueError(f"unknown mode {cfg.mode!r}")
+    if cfg.mode == "rate" and not cfg.rate > 0:
+        raise ValueError("rate mode needs a rate > 0 (frames per second)")
     want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
                          MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
     fe = VhostUserFrontend(cfg.socket, timeout=cfg.timeout)
@@ -111,7 +126,8 @@ def run(cfg: DriverConfig, on_ready=None):
         segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
-                       callfds=fe.callfds, force_slow=cfg.force_slow)
+                       callfds=fe.callfds, force_slow=cfg.force_slow, hdr=cfg.tx_hdr,
+                       hdr_init=cfg.hdr_init, doorbell=cfg.doorbell)
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
         fe.start(nq.mem, nq.layouts())
@@ -124,6 +140,8 @@ def run(cfg: DriverConfig, on_ready=None):
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
         loop = _Loop(cfg, nq, stop, fe.conn.sock, pcap)
+        if cfg.idle_first > 0:
+            loop.idle(cfg.idle_first)
         t0 = time.monotonic()
         loop.run()
         elapsed = time.monotonic() - t0
@@ -193,10 +211,12 @@ class _Loop:
         self.p_seqs = ffi.cast("uint64_t *", ffi.from_buffer(self.seqs))
         self.seq = 0
         self.lat = None
-        if cfg.latency and cfg.mode == "macfwd":
+        self.lat_reset_at = None
+        if (cfg.latency and cfg.mode == "macfwd") or cfg.mode == "rate":
             self.lat = ffi.new("struct vn_lat *")
             self.lat.ts_off = packets.TS_OFF
             nq.rx.c.lat = self.lat
+        self.pace = None
         self.bad = 0
         self.seen = None
         self.injected = 0
@@ -248,9 +268,23 @@ class _Loop:
 
     # -- loops
 
+    def idle(self, seconds):
+        """Queues up, nothing sent yet: the macfwd receive loop runs on an empty ring for ``seconds`` (busy polling,
+        or with --wait blocked on the call eventfd): what an idle queue costs. stderr says when it starts."""
+        print(f"vring driver: idle for {seconds:g} s before sending", file=sys.stderr, flush=True)
+        self._run_macfwd(time.monotonic() + seconds)
+
+    def _lat_warmup(self, t):
+        """Start the latency histogram over once the warm-up is behind (called from _done)."""
+        if self.lat_reset_at is not None and t >= self.lat_reset_at:
+            lib.vn_lat_reset(self.lat)
+            self.lat_reset_at = None
+
     def run(self):
         cfg = self.cfg
         deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
+        if self.lat is not None and cfg.latency_warmup > 0:
+            self.lat_reset_at = time.monotonic() + cfg.latency_warmup
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
@@ -266,6 +300,8 @@ class _Loop:
     def _run_macfwd(self, deadline):
         rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
         p_idx, p_lens = self.p_idx, self.p_lens
+        if self.cfg.wait and not self.cfg.verify and self.pcap is None:
+            return self._run_macfwd_wait(deadline)
         if self.cfg.verify or self.cfg.wait or self.pcap is not None:
             it = 0
             while True:
@@ -295,11 +331,47 @@ class _Loop:
             if loop(rx, tx, p_idx, p_lens, b, spin, 64) < 0:
                 self._raise()
 
+    def _run_macfwd_wait(self, deadline):
+        """--wait: the C loop polls while busy (up to ``spin`` empty polls); then calls are enabled, the ring
+        re-checked and the call eventfd waited on (RxQueue.wait)."""
+        rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
+        p_idx, p_lens, loop = self.p_idx, self.p_lens, lib.vn_fwd_loop
+        while not self._done(deadline):
+            n = loop(rx, tx, p_idx, p_lens, b, spin, 1)
+            if n < 0:
+                self._raise()
+            if n == 0:
+                self.nq.rx.wait(0.1)
+
+    def _run_rate(self, deadline):
+        """Open loop at cfg.rate frames/s (vn_pace_loop); with --wait, block between sends on the Rx call
+        eventfd until the next frame is due."""
+        cfg, nq = self.cfg, self.nq
+        pc = self.pace = ffi.new("struct vn_pace *")
+        pc.ns_per_pkt = 1e9 / cfg.rate
+        pc.t0 = lib.vn_now_ns()
+        rx_idx = np.zeros(nq.size + cfg.burst, np.uint32)
+        rx_len = np.zeros(nq.size + cfg.burst, np.uint32)
+        p_rx_idx = ffi.cast("uint32_t *", ffi.from_buffer(rx_idx))
+        p_rx_len = ffi.cast("uint32_t *", ffi.from_buffer(rx_len))
+        spin = max(1, cfg.spin) if cfg.wait else 0
+        args = (nq.rx.c, nq.tx.c, pc, self.p_idx, self.p_lens, p_rx_idx, p_rx_len, self.p_tmpl, self.plen,
+                packets.SEQ_OFF, packets.TS_OFF, cfg.burst, cfg.rx_burst or cfg.burst, spin, 256)
+        while not self._done(deadline):
+            if lib.vn_pace_loop(*args) < 0:
+                self._raise()
+            if pc.idle:
+                left = (pc.next_ns - lib.vn_now_ns()) / 1e9
+                if left > 20e-6:
+                    nq.rx.wait(min(left, 0.1))
+        self.seq = pc.offered
+
     def _done(self, deadline):
         """Stop asked, time up, or (checked every 0.1 s) the backend closed the vhost-user socket."""
         if self.stop.flag:
             return True
         t = time.monotonic()
+        self._lat_warmup(t)
         if t >= deadline:
             return True
         if self.ctl is not None and t >= self.next_watch:
@@ -399,6 +471,12 @@ class _Loop:
                "tx_pps": round(nq.tx.c.packets / elapsed) if elapsed > 0 else 0}
         if self.lat is not None:
             out["latency"] = latency_summary(self.lat)
+            out["latency"]["after_warmup_s"] = self.cfg.latency_warmup if self.lat_reset_at is None else None
+        if self.cfg.mode == "rate":
+            pc = self.pace
+            out["rate"] = {"offered_pps": self.cfg.rate, "offered": int(pc.offered),
+                           "sent": int(nq.tx.c.packets), "tx_dropped": int(nq.tx.c.dropped),
+                           "pool_empty_steps": int(pc.nobuf)}
         if self.cfg.verify:
             out["verify"] = {"bad": self.bad}
             if self.seen is not None:

@@ -83,13 +83,37 @@ class GuestMemory:
         self.region.close()
 
 
-class TxQueue:
-    """transmitq1 over a rings DriverQueue. ``burst(indices, lengths, more=False)`` -> packets queued."""
+#: Where the Tx header goes (chosen once per queue): into the packet's headroom, one descriptor (DPDK's
+#: "can push" path); a header descriptor chained before the data; one indirect descriptor holding both.
+TX_HDR = ("headroom", "chain", "indirect")
+#: Per burst: the header template cleared once, copied per packet; per packet: cleared in place for each.
+HDR_INIT = ("burst", "packet")
+#: Per burst: one publish and at most one kick per burst (xmit_more); per packet: after every packet.
+DOORBELL = ("burst", "packet")
 
-    def __init__(self, mem, features, kickfd=None, force_slow=False):
+
+def _choice(what, value, allowed):
+    if value not in allowed:
+        raise ConfigError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
+    return value
+
+
+class TxQueue:
+    """transmitq1 over a rings DriverQueue. ``burst(indices, lengths, more=False)`` -> packets queued.
+    ``hdr``, ``hdr_init``, ``doorbell``: the Tx variants (TX_HDR, HDR_INIT, DOORBELL), fixed here."""
+
+    def __init__(self, mem, features, kickfd=None, force_slow=False, hdr="headroom", hdr_init="burst",
+                 doorbell="burst"):
         self.features = features
         self.hdr_size = net_hdr_size(features)
-        ind = (mem.gpa + mem.ind_off, mem.indirect_max) if has(features, VIRTIO_F_INDIRECT_DESC) else None
+        _choice("Tx header placement", hdr, TX_HDR)
+        _choice("header init", hdr_init, HDR_INIT)
+        _choice("doorbell", doorbell, DOORBELL)
+        if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
+            raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
+        force_slow = force_slow or hdr != "headroom"
+        ind = (mem.gpa + mem.ind_off, mem.indirect_max) \
+            if has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain" else None
         self.vq = _virtq.DriverQueue(mem.table, mem.tx_layout, features, indirect=ind)
         n = self.vq.size
         # the cleanup variant, fixed here: in-order (one used entry may cover a batch) or normal (by id)
@@ -109,6 +133,9 @@ class TxQueue:
         t.hdr_host = ffi.cast("uint8_t *", ffi.from_buffer(mem.hdr_view))
         t.hdr_gpa = mem.gpa + mem.hdr_off
         t.force_slow = int(bool(force_slow))
+        t.hdr_per_packet = hdr_init == "packet"
+        t.doorbell_per_packet = doorbell == "packet"
+        self.hdr, self.hdr_init, self.doorbell = hdr, hdr_init, doorbell
         t.kickfd = -1 if kickfd is None else kickfd
         t.tok, t.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
         t.seg_addr, t.seg_len = _p("uint64_t *", self._seg_addr), _p("uint32_t *", self._seg_len)
@@ -162,7 +189,8 @@ class TxQueue:
 
     def counters(self):
         c = self.c
-        return {"variant": self.variant, "packets": c.packets, "bytes": c.bytes, "kicks": self.kicks,
+        return {"variant": self.variant, "hdr": self.hdr, "hdr_init": self.hdr_init, "doorbell": self.doorbell,
+                "packets": c.packets, "bytes": c.bytes, "kicks": self.kicks,
                 "fast_path": c.fast,
                 "slow_path": c.slow, "ring_full": c.full, "dropped": c.dropped, "cleanups": c.cleanups,
                 "reclaimed_bufs": c.reclaimed_bufs, "reclaimed_descs": c.reclaimed_descs, "errors": c.errors,
@@ -273,14 +301,14 @@ class NetQueues:
     ``kickfds``/``callfds``: eventfds per queue index (RXQ, TXQ) or None (tests, polling only)."""
 
     def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=128,
-                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=8):
+                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=8, **tx_variants):
         fmt = fmt or ("packed" if has(features, VIRTIO_F_RING_PACKED) else "split")
         self.features, self.fmt, self.size, self.burst = features, fmt, size, burst
         nbufs = nbufs or max(4096, 4 * size + 8 * burst)
         self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, indirect_max)
         self.pool = self.mem.pool
         self.rx = RxQueue(self.mem, features, burst, kickfd=kickfds[RXQ], callfd=callfds[RXQ])
-        self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow)
+        self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow, **tx_variants)
         # polling by default: ask the device not to call us (split NO_INTERRUPT / packed DISABLE)
         self.rx.vq.enable_calls(False)
         self.tx.vq.enable_calls(False)

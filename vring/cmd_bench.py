@@ -7,11 +7,24 @@ at the device (median of the samples after the warm-up, min, max), round-trip la
 timestamps our driver writes into the payload, kicks and calls per packet, retries, drops, and the loss check
 (injected = still in flight + counted lost, at the end).
 
+Both processes are pinned, by default to the two least busy CPUs this process may use (the first line of the
+output says which; a warning when both must share one). CPU use of each process is reported per point.
+
+--notify runs our sides with notifications (backend --idle sleep, driver --wait: poll while busy, then enable
+notifications, re-check, block on the eventfd) and measures an idle interval first (--idle S): what a queue
+with no traffic costs. --rate PPS,... paces our driver's Tx (open loop, frames stamped with the time they were
+due) and reports latency against offered load, polled and notified. --study NAME measures one of the seeds'
+design choices, its variants side by side (vring/studies.py): tx-cleanup, hdr-prepend, hdr-init, doorbell,
+retries, txq.
+
 examples:
   vring bench                                   ours against ours, the four paths, 64-byte frames
   vring bench --vs-dpdk                         ... and DPDK's pair at the same points: our rate / theirs
   vring bench --pairs ours/ours,dpdk/dpdk,ours/dpdk,dpdk/ours --seconds 10 --repeat 3 --json out.json
   vring bench --paths split-in-order,packed-in-order --pkt-size 64,512,1500 --plot rates.png
+  vring bench --notify --modes poll,notify      polled and notified side by side: kicks, calls, CPU, idle CPU
+  vring bench --rate 10k,100k,1M,4M --plot load.png       latency against offered load, polled and notified
+  vring bench --study txq --repeat 3 --json txq.json --plot txq.png
 """
 import argparse
 import json
@@ -42,9 +55,9 @@ def register(sub):
                    help="driver/device pairs, any of " + ", ".join(bench.PAIRS) + " (instead of --driver/--device)")
     g.add_argument("--vs-dpdk", action="store_true",
                    help="also run dpdk/dpdk at every point and print our rate / theirs")
-    g.add_argument("--paths", type=_list_type(bench.parse_paths), default=list(bench.PATHS), metavar="P,...",
+    g.add_argument("--paths", type=_list_type(bench.parse_paths), default=None, metavar="P,...",
                    help="any of " + ", ".join(bench.PATHS) + "; or split, packed, normal, in-order, all "
-                        "(default: all four)")
+                        "(default: all four; a study: its own)")
     g.add_argument("--pkt-size", type=_list_type(bench.parse_sizes), default=[64], metavar="N,...",
                    help=f"frame sizes in bytes without FCS, {bench.MIN_PKT}..{bench.MAX_PKT} (default 64)")
     g.add_argument("--burst", type=int, default=32, help="burst size on both sides (default 32)")
@@ -52,10 +65,28 @@ def register(sub):
     g.add_argument("--inject", type=int, default=256, metavar="N",
                    help="packets injected into the loop (default 256; DPDK's driver: whole bursts of tx_first)")
     g.add_argument("--retries", type=int, default=0, help="our device: Rx enqueue retries 0..8 (default 0)")
-    g.add_argument("--txq-flush", default="rx-batch", metavar="rx-batch|timer:US|threshold",
+    g.add_argument("--txq-flush", default="rx-batch", metavar="none|rx-batch|timer:US|threshold",
                    help="our device: when the intermediate Tx queue is drained (default rx-batch)")
     g.add_argument("--mrg-rxbuf", action=argparse.BooleanOptionalAction, default=True,
                    help="negotiate VIRTIO_NET_F_MRG_RXBUF (default: yes)")
+    n = p.add_argument_group("notifications, offered load, studies")
+    n.add_argument("--notify", action="store_true",
+                   help="run our sides with notifications (vring vhost --idle sleep, vring driver --wait) instead "
+                        "of polling; with --rate: only notified")
+    n.add_argument("--modes", type=_list_type(bench.parse_modes), default=None, metavar="poll,notify",
+                   help="modes to measure side by side (default: poll; notify with --notify; both with --rate)")
+    n.add_argument("--idle", type=float, default=None, metavar="S",
+                   help="seconds our driver stays idle (queues up, no traffic) before sending, to measure what an "
+                        "idle queue costs polled and notified (default: 2 when notify is among the modes, else 0)")
+    n.add_argument("--idle-polls", type=int, default=256, metavar="N",
+                   help="notify mode: empty polls before our backend sleeps (default 256)")
+    n.add_argument("--rate", type=_list_type(bench.parse_rates), default=None, metavar="PPS,...",
+                   help="open loop: our driver offers PPS frames/s (10k, 1M, ...), each stamped with the time it was "
+                        "due; latency p50/p99/p99.9 per rate, polled and notified")
+    from vring import studies
+    n.add_argument("--study", choices=list(studies.STUDIES), default=None,
+                   help="measure a design choice's variants side by side: " + "; ".join(
+                       f"{s.name}: {s.what.split(':')[0].split(' (')[0]}" for s in studies.STUDIES.values()))
     t = p.add_argument_group("timing")
     t.add_argument("--seconds", type=float, default=10.0, help="measured seconds per point, after the warm-up "
                    "(default 10)")
@@ -64,7 +95,7 @@ def register(sub):
     t.add_argument("--repeat", type=int, default=1,
                    help="measure every point N times, each with fresh processes (default 1)")
     t.add_argument("--cpus", default=None, metavar="DEVICE,DRIVER",
-                   help="CPUs to pin the device and the driver to (default: the first two allowed)")
+                   help="CPUs to pin the device and the driver to (default: the two least busy allowed ones)")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write every figure and the machine description to FILE "
                    "('-': stdout)")
@@ -76,24 +107,49 @@ def register(sub):
     return p
 
 
+def _modes(args):
+    if args.modes is not None:
+        if args.notify and "notify" not in args.modes:
+            raise ValueError("--notify and --modes without notify contradict each other")
+        return args.modes
+    if args.notify:
+        return ["notify"]
+    return ["poll", "notify"] if args.rate else ["poll"]
+
+
 def config_from_args(args):
     """BenchConfig from parsed arguments; raises ValueError with a user-facing message."""
+    from vring import studies
     if args.pairs is not None and (args.driver or args.device):
         raise ValueError("give --pairs or --driver/--device, not both")
     pairs = args.pairs or [f"{args.driver or 'ours'}/{args.device or 'ours'}"]
     if args.vs_dpdk and "dpdk/dpdk" not in pairs:
         pairs = pairs + ["dpdk/dpdk"]
-    dev_cpu, drv_cpu = bench.default_cpus()
+    paths = args.paths
+    if args.study:
+        study = studies.get(args.study)
+        if pairs != ["ours/ours"] or args.vs_dpdk:
+            raise ValueError(f"--study {args.study} compares our own code paths: it runs ours/ours only")
+        if args.modes is not None or args.notify:
+            raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
+        paths = paths or list(study.default_paths)
     if args.cpus:
         try:
             dev_cpu, drv_cpu = (int(x) for x in args.cpus.split(","))
         except ValueError:
             raise ValueError(f"--cpus wants DEVICE,DRIVER (two CPU numbers), not {args.cpus!r}") from None
-    cfg = bench.BenchConfig(pairs=pairs, paths=args.paths, pkt_sizes=args.pkt_size, burst=args.burst,
-                            ring_size=args.ring_size, inject=args.inject, retries=args.retries,
+        how = {"chosen": "--cpus"}
+    else:
+        dev_cpu, drv_cpu, how = bench.default_cpus()
+    modes = _modes(args)
+    idle = args.idle if args.idle is not None else (2.0 if "notify" in modes else 0.0)
+    cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
+                            burst=args.burst, ring_size=args.ring_size, inject=args.inject, retries=args.retries,
                             txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, seconds=args.seconds,
                             warmup=args.warmup, interval=args.interval, repeat=args.repeat,
-                            device_cpu=dev_cpu, driver_cpu=drv_cpu, keep=args.keep)
+                            device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,
+                            rates=args.rate or [], idle_first=idle, idle_polls=args.idle_polls, study=args.study,
+                            keep=args.keep)
     cfg.validate()
     if any("dpdk" in p for p in pairs):
         from vring import dpdk
@@ -119,9 +175,19 @@ class Progress:
         self.last = 0.0
         self.width = 0
 
+    @staticmethod
+    def _what(pt):
+        bits = [pt.pair, pt.path, f"{pt.size} B"]
+        if pt.mode != "poll":
+            bits.append(pt.mode)
+        if pt.rate is not None:
+            bits.append(f"{bench._rate_label(pt.rate)} fps")
+        if pt.variant:
+            bits.append(f"[{pt.variant}]")
+        return " ".join(bits) + f" rep {pt.rep + 1}"
+
     def _head(self, kw):
-        return (f"[{kw['index'] + 1}/{kw['count']}] {kw['pair']} {kw['path']} {kw['size']} B "
-                f"rep {kw['rep'] + 1}")
+        return f"[{kw['index'] + 1}/{kw['count']}] " + self._what(kw["point"])
 
     def update(self, **kw):
         if self.quiet or not self.tty:
@@ -147,7 +213,9 @@ class Progress:
         r = rec["rate"]["pps_median"]
         lc = rec["loss_check"]
         lat = rec["latency"]["p50_us"]
-        text = (f"[{index}/{count}] {rec['pair']} {rec['path']} {rec['pkt_size']} B rep {rec['repeat'] + 1}: "
+        pt = bench.Point(rec["repeat"], rec["path"], rec["pkt_size"], rec["pair"], rec["mode"], rec["offered_pps"],
+                         rec["group"], rec["variant"])
+        text = (f"[{index}/{count}] {self._what(pt)}: "
                 f"{'-' if r is None else f'{r / 1e6:.3f}'} Mpps"
                 + (f", p50 {lat:.1f} us" if lat is not None else "")
                 + f", loss check {'ok' if lc['ok'] else 'FAILED'}")
@@ -172,6 +240,8 @@ def run(args):
         cfg = config_from_args(args)
     except ValueError as e:
         args._parser.error(str(e))   # exit code 2
+    if not args.quiet:
+        print(bench.pinning_note(cfg), file=sys.stderr, flush=True)
     prog = Progress(quiet=args.quiet)
     done = [0]
     total = sum(1 for _ in cfg.points())

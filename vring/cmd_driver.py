@@ -29,7 +29,13 @@ def register(sub):
         p.set_defaults(**{dest: default})
     p.add_argument("--ring-size", type=int, default=256)
     p.add_argument("--burst", type=int, default=32)
-    p.add_argument("--mode", choices=("txonly", "macfwd", "rxonly"), default="macfwd")
+    p.add_argument("--mode", choices=("txonly", "macfwd", "rxonly", "rate"), default="macfwd",
+                   help="rate: open loop at --rate frames/s, every frame stamped with the time it was due and its "
+                        "round trip measured (default macfwd)")
+    p.add_argument("--rate", type=float, default=0.0, metavar="PPS", help="--mode rate: frames per second")
+    p.add_argument("--rx-burst", type=int, default=0, metavar="N",
+                   help="--mode rate: receive at most N frames per step (default --burst; smaller: a receiver "
+                        "slower than the sender)")
     p.add_argument("--count", type=int, default=0,
                    help="txonly/rxonly: stop after N packets; macfwd: inject N packets first (like tx_first)")
     p.add_argument("--seconds", type=float, default=0.0, help="run for S seconds (default: until Ctrl-C, "
@@ -43,7 +49,21 @@ def register(sub):
     p.add_argument("--stamp", action="store_true", help="timestamp generated frames (CLOCK_MONOTONIC ns)")
     p.add_argument("--latency", action="store_true",
                    help="macfwd: measure the round-trip latency of every frame (stamped at each send)")
-    p.add_argument("--wait", action="store_true", help="sleep on the Rx call eventfd when idle")
+    p.add_argument("--wait", action="store_true",
+                   help="poll while busy; after --spin empty polls enable calls, re-check the ring and sleep on the "
+                        "Rx call eventfd")
+    p.add_argument("--latency-warmup", type=float, default=0.0, metavar="S",
+                   help="start the latency histogram over S seconds after the loop starts (default: whole run)")
+    p.add_argument("--idle-first", type=float, default=0.0, metavar="S",
+                   help="bring the queues up, then stay idle S seconds before sending (to measure idle CPU)")
+    p.add_argument("--tx-hdr", choices=("headroom", "chain", "indirect"), default="headroom",
+                   help="where the Tx virtio-net header goes: the packet's headroom (one descriptor, default), "
+                        "a descriptor of its own chained before the data, or one indirect descriptor for both")
+    p.add_argument("--hdr-init", choices=("burst", "packet"), default="burst",
+                   help="clear the Tx header template once per burst (default) or each header once per packet")
+    p.add_argument("--doorbell", choices=("burst", "packet"), default="burst",
+                   help="publish and (if the device asks) kick once per burst (default, like xmit_more) or after "
+                        "every packet")
     p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
                    help="send every packet through the slow path (header descriptor or indirect)")
     p.add_argument("--spin", type=int, default=64,
@@ -71,8 +91,13 @@ def main(args):
         burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
-        ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count)
+        ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count, rate=args.rate,
+        latency_warmup=args.latency_warmup, idle_first=args.idle_first,
+        tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst)
     rawdump.set_snapshot_dir(args.snapshot_dir)
+    if args.mode == "rate" and not args.rate > 0:
+        print("vring driver: --mode rate needs --rate PPS > 0", file=sys.stderr)
+        return 2
     try:
         res = run(cfg)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures

@@ -23,9 +23,15 @@ def register(sub):
                    help="with IN_ORDER: one used entry per batch on the Tx queue (vring 1), as DPDK writes it")
     p.add_argument("--txq-threshold", type=int, default=32, metavar="N",
                    help="intermediate Tx queue: enqueue when N packets wait (default 32)")
-    p.add_argument("--txq-flush", default="rx-batch", metavar="rx-batch|timer:US|threshold",
+    p.add_argument("--txq-flush", default="rx-batch", metavar="none|rx-batch|timer:US|threshold",
                    help="drain the rest after every poll (rx-batch, default), after US microseconds "
-                        "(timer:US), or when the Tx queue runs dry (threshold)")
+                        "(timer:US), or when the Tx queue runs dry (threshold); none: no intermediate queue, "
+                        "each one-segment frame is copied straight from the Tx buffer into an Rx buffer")
+    p.add_argument("--idle", choices=("poll", "sleep"), default="poll",
+                   help="poll: busy-poll the Tx queue always (default, like net_vhost); sleep: after --idle-polls "
+                        "empty polls enable kicks, re-check the ring, and block on the kick eventfd")
+    p.add_argument("--idle-polls", type=int, default=256, metavar="N",
+                   help="--idle sleep: empty polls before going to sleep (default 256)")
     p.add_argument("--fwd", choices=("macswap", "io", "rxonly"), default="macswap")
     p.add_argument("--burst", type=int, default=32, help="dequeue burst (default 32)")
     p.add_argument("--pkt-size", type=int, default=2048,
@@ -66,7 +72,7 @@ def run(args):
         opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
                        in_order_batch=args.in_order_batch, txq_threshold=args.txq_threshold,
                        txq_flush=args.txq_flush, fwd=args.fwd, pkt_size=args.pkt_size,
-                       timing=args.timing, pcap=pcap)
+                       timing=args.timing, pcap=pcap, idle=args.idle, idle_polls=args.idle_polls)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"vring vhost: {e}")
     if args.pin is not None:

@@ -79,7 +79,10 @@ static inline int vq_packed_need_event(uint16_t off_wrap, uint16_t new_pos, uint
 /* Bounds-checked translation: [gpa, gpa+len) must lie inside one region; no overflow possible. */
 static inline uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len)
 {
-    for (uint32_t i = 0; i < m->nregions; i++) {
+    const struct vq_region *r0 = &m->r[0];   /* the usual case, one region, without the loop */
+    if (m->nregions && gpa >= r0->gpa && gpa - r0->gpa <= r0->size && len <= r0->size - (gpa - r0->gpa))
+        return r0->host + (gpa - r0->gpa);
+    for (uint32_t i = 1; i < m->nregions; i++) {
         const struct vq_region *r = &m->r[i];
         if (gpa >= r->gpa && gpa - r->gpa <= r->size && len <= r->size - (gpa - r->gpa))
             return r->host + (gpa - r->gpa);
@@ -263,18 +266,105 @@ static inline uint32_t vq_drv_add(struct vq_driver *q, const uint64_t *addrs, co
     return i;
 }
 
+/* The bookkeeping of one added one-descriptor buffer (the arrays from the caller's locals). */
+static inline void vq_drv_track1(uint16_t *id_ndesc, uint32_t *id_wlen, uint64_t *id_token, uint8_t *id_inflight,
+                                 uint16_t id, uint32_t wlen, uint64_t token)
+{
+    id_ndesc[id] = 1;
+    id_wlen[id] = wlen;
+    id_token[id] = token;
+    id_inflight[id] = 1;
+}
+
+static inline void vq_drv_added(struct vq_driver *q, uint16_t n)
+{
+    q->num_free -= n;
+    q->inflight += n;
+    q->kick_added += n;
+}
+
+/* One-descriptor buffers, split: the state in locals (stores through id_inflight, a uint8_t array, may alias
+ * anything: fields read through q would be reloaded after each one). What vq_drv_add1_split does for nseg 1. */
+static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                               int writable, const uint64_t *tokens, uint32_t n)
+{
+    struct vring_desc *desc = q->desc;
+    uint16_t *ring = q->avail->ring, *free_next = q->free_next, *id_ndesc = q->id_ndesc;
+    uint32_t *id_wlen = q->id_wlen;
+    uint64_t *id_token = q->id_token;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t mask = q->size - 1, next_avail = q->next_avail, head = q->in_order ? q->next_desc : q->free_head;
+    uint16_t flags = writable ? VIRTQ_DESC_F_WRITE : 0;
+    int in_order = q->in_order;
+    uint32_t i;
+    if (n > q->num_free)
+        n = q->num_free;
+    for (i = 0; i < n; i++) {
+        uint16_t id = head;
+        struct vring_desc *d = &desc[id];
+        head = in_order ? (uint16_t)((id + 1) & mask) : free_next[id];
+        VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->flags, flags); VQ_STORE(d->next, 0);
+        vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
+        VQ_STORE(ring[next_avail++ & mask], id);
+    }
+    if (in_order)
+        q->next_desc = head;
+    else
+        q->free_head = head;
+    q->next_avail = next_avail;
+    vq_drv_added(q, (uint16_t)i);
+    return i;
+}
+
+/* One-descriptor buffers, packed (see vq_drv_add_simple_split); the first flags of a publish batch are kept
+ * aside (PACKED-D-12), as vq_drv_add1_packed does. */
+static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
+                                                int writable, const uint64_t *tokens, uint32_t n)
+{
+    struct vring_packed_desc *ring = q->pdesc;
+    uint16_t *free_next = q->free_next, *id_ndesc = q->id_ndesc;
+    uint32_t *id_wlen = q->id_wlen;
+    uint64_t *id_token = q->id_token;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t size = q->size, slot = q->next_avail, wrap = q->avail_wrap, head = q->free_head, pending = q->pending;
+    uint16_t wflag = writable ? VIRTQ_DESC_F_WRITE : 0;
+    int in_order = q->in_order;
+    uint32_t i;
+    if (n > q->num_free)
+        n = q->num_free;
+    for (i = 0; i < n; i++) {
+        uint16_t id = in_order ? slot : head;
+        struct vring_packed_desc *d = &ring[slot];
+        uint16_t flags = vq_avail_bits(wrap) | wflag;
+        if (!in_order)
+            head = free_next[id];
+        VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->id, id);
+        if (pending++ == 0) {
+            q->pending_head = slot;
+            q->pending_flags = flags;
+        } else {
+            VQ_SET(d->flags, flags);
+        }
+        vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
+        if (++slot == size) {
+            slot = 0;
+            wrap ^= 1;
+        }
+    }
+    q->next_avail = slot;
+    q->avail_wrap = wrap;
+    q->free_head = head;
+    q->pending = pending;
+    vq_drv_added(q, (uint16_t)i);
+    return i;
+}
+
 /* Fast path for one-segment buffers of one direction (Tx with header prepended, Rx refill). */
 static inline uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
                                          int writable, const uint64_t *tokens, uint32_t n)
 {
-    uint32_t i, nread = writable ? 0 : 1;
-    for (i = 0; i < n; i++) {
-        int full = q->packed ? vq_drv_add1_packed(q, addrs + i, lens + i, nread, 1, tokens[i])
-                             : vq_drv_add1_split(q, addrs + i, lens + i, nread, 1, tokens[i]);
-        if (full)
-            break;
-    }
-    return i;
+    return q->packed ? vq_drv_add_simple_packed(q, addrs, lens, writable, tokens, n)
+                     : vq_drv_add_simple_split(q, addrs, lens, writable, tokens, n);
 }
 
 /* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22). */
@@ -336,11 +426,100 @@ static inline int vq_drv_check_len(struct vq_driver *q, uint16_t id, uint32_t le
     return 0;
 }
 
+/* The fast paths of the reclaims: runs of used entries that are each one valid one-descriptor buffer (in-order:
+ * exactly the oldest, no batch), with the state in locals (see vq_drv_add_simple_split). Anything else, valid
+ * or not, stops the run and is left to the general walk below, which checks and reports it. Return the buffers
+ * reclaimed. */
+static inline uint32_t vq_drv_reclaim_simple_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens,
+                                                   uint32_t max)
+{
+    const struct vring_used_elem *ring = q->used->ring;
+    const uint16_t *id_ndesc = q->id_ndesc;
+    const uint32_t *id_wlen = q->id_wlen;
+    const uint64_t *id_token = q->id_token;
+    uint16_t *free_next = q->free_next;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t size = q->size, mask = size - 1, last = q->last_used, used_idx = VQ_ACQUIRE(q->used->idx);
+    uint16_t free_head = q->free_head, oldest = q->oldest;
+    int in_order = q->in_order;
+    uint32_t n = 0;
+    if ((uint16_t)(used_idx - last) > size)
+        return 0;
+    for (; last != used_idx && n < max; last++, n++) {
+        const struct vring_used_elem *e = &ring[last & mask];
+        uint32_t id = VQ_ONCE(e->id), len = VQ_ONCE(e->len);
+        if (id >= size || !id_inflight[id] || id_ndesc[id] != 1 || len > id_wlen[id] || (in_order && id != oldest))
+            break;
+        tokens[n] = id_token[id];
+        lens[n] = len;
+        if (in_order) {
+            oldest = (uint16_t)((id + 1) & mask);
+        } else {
+            free_next[id] = free_head;
+            free_head = (uint16_t)id;
+        }
+        id_inflight[id] = 0;
+    }
+    q->last_used = last;
+    q->free_head = free_head;
+    q->oldest = oldest;
+    q->num_free += (uint16_t)n;
+    q->inflight -= (uint16_t)n;
+    return n;
+}
+
+static inline uint32_t vq_drv_reclaim_simple_packed(struct vq_driver *q, uint64_t *tokens, uint32_t *lens,
+                                                    uint32_t max)
+{
+    const struct vring_packed_desc *ring = q->pdesc;
+    const uint16_t *id_ndesc = q->id_ndesc;
+    const uint32_t *id_wlen = q->id_wlen;
+    const uint64_t *id_token = q->id_token;
+    uint16_t *free_next = q->free_next;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t size = q->size, slot = q->last_used, w = q->used_wrap, free_head = q->free_head;
+    uint16_t inflight = q->inflight;
+    int in_order = q->in_order;
+    uint32_t n = 0;
+    for (; n < max && n < inflight; n++) {
+        const struct vring_packed_desc *d = &ring[slot];
+        uint16_t flags = VQ_ACQUIRE(d->flags);
+        /* PACKED-D-24: used iff AVAIL == USED == used wrap counter */
+        if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED)) != vq_used_bits(w))
+            break;
+        uint16_t id = VQ_ONCE(d->id);
+        uint32_t len = VQ_ONCE(d->len);
+        if (id >= size || !id_inflight[id] || id_ndesc[id] != 1 || (in_order && id != slot))
+            break;
+        if (!(flags & VIRTQ_DESC_F_WRITE) && id_wlen[id] == 0)   /* PACKED-D-17, as below */
+            len = 0;
+        if (len > id_wlen[id])
+            break;
+        tokens[n] = id_token[id];
+        lens[n] = len;
+        if (!in_order) {
+            free_next[id] = free_head;
+            free_head = id;
+        }
+        id_inflight[id] = 0;
+        if (++slot == size) {
+            slot = 0;
+            w ^= 1;
+        }
+    }
+    q->last_used = slot;
+    q->used_wrap = w;
+    q->free_head = free_head;
+    q->num_free += (uint16_t)n;
+    q->inflight -= (uint16_t)n;
+    return n;
+}
+
 /* Split reclaim; returns the number of buffers, or -1 when the ring is broken. */
 static inline int vq_drv_reclaim_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
 {
+    uint32_t n = vq_drv_reclaim_simple_split(q, tokens, lens, max);
     uint16_t size = q->size, used_idx = VQ_ACQUIRE(q->used->idx);
-    uint32_t n = 0;
     if ((uint16_t)(used_idx - q->last_used) > size)
         return vq_drv_fail(q, VQ_ERR_USED_IDX_JUMP, q->last_used, used_idx);
     while (q->last_used != used_idx && n < max) {
@@ -391,7 +570,7 @@ static inline void vq_drv_advance_used_packed(struct vq_driver *q, uint16_t ndes
 static inline int vq_drv_reclaim_packed(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max)
 {
     uint16_t size = q->size;
-    uint32_t n = 0;
+    uint32_t n = vq_drv_reclaim_simple_packed(q, tokens, lens, max);
     while (n < max && q->inflight) {
         struct vring_packed_desc *d = &q->pdesc[q->last_used];
         uint16_t flags = VQ_ACQUIRE(d->flags);
@@ -535,6 +714,198 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
     return 0;
 }
 
+/* The fast paths of the device poll: runs of one-descriptor chains (neither NEXT nor INDIRECT, what a
+ * virtio-net driver posts almost always), with the checks of the general walk in its order. Two passes over at
+ * most VQ_RUN chains: the first reads and checks descriptors into local arrays (marking each id in flight at once,
+ * so that an id repeated within the run is ID_IN_USE), the second writes what vq_dev_emit + vq_dev_finish_chain
+ * would have, column by column. Every field sits in a local: a store through a uint8_t array (seg_write,
+ * id_inflight) may alias anything, so fields read through q or c would be reloaded after each one, and one loop
+ * writing all the columns would keep more pointers live than there are registers. */
+#define VQ_RUN 32
+
+/* vq_translate with region 0 held in locals (struct vq_reg0): the one region of a usual memory table. */
+struct vq_reg0 {
+    uint64_t gpa, size;
+    uint8_t *host;
+};
+
+static inline void vq_reg0_load(struct vq_reg0 *r, const struct vq_mem *m)
+{
+    r->gpa = m->nregions ? m->r[0].gpa : 0;
+    r->size = m->nregions ? m->r[0].size : 0;
+    r->host = m->nregions ? m->r[0].host : 0;
+}
+
+static inline uint8_t *vq_translate0(const struct vq_reg0 *r, const struct vq_mem *m, uint64_t gpa, uint64_t len)
+{
+    uint64_t off = gpa - r->gpa;
+    if (r->host && gpa >= r->gpa && off <= r->size && len <= r->size - off)
+        return r->host + off;
+    return vq_translate(m, gpa, len);
+}
+
+struct vq_run {
+    uint32_t n;
+    uint16_t id[VQ_RUN];
+    uint32_t len[VQ_RUN];
+    uint64_t addr[VQ_RUN];
+    uint8_t *host[VQ_RUN];
+    uint8_t write[VQ_RUN];
+};
+
+static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const struct vq_run *r)
+{
+    uint32_t n = r->n, k0 = c->n, s0 = c->nsegs, j;
+    uint16_t *cid = c->id + k0, *cndesc = c->ndesc + k0, *cnseg = c->nseg + k0;
+    uint32_t *cstart = c->seg_start + k0;
+    for (j = 0; j < n; j++) {
+        cid[j] = r->id[j]; cndesc[j] = 1; cnseg[j] = 1; cstart[j] = s0 + j;
+    }
+    uint32_t *crlen = c->rlen + k0, *cwlen = c->wlen + k0, *slen = c->seg_len + s0;
+    uint64_t *saddr = c->seg_addr + s0;
+    for (j = 0; j < n; j++) {
+        uint32_t l = r->len[j], w = r->write[j];
+        crlen[j] = w ? 0 : l; cwlen[j] = w ? l : 0; slen[j] = l; saddr[j] = r->addr[j];
+    }
+    uint16_t *id_ndesc = q->id_ndesc;
+    uint32_t *id_wlen = q->id_wlen;
+    for (j = 0; j < n; j++) {
+        id_ndesc[r->id[j]] = 1;
+        id_wlen[r->id[j]] = r->write[j] ? r->len[j] : 0;
+    }
+    memcpy(c->seg_write + s0, r->write, n);
+    if (c->seg_host)
+        memcpy(c->seg_host + s0, r->host, n * sizeof *r->host);
+    if (q->in_order) {
+        uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
+        uint16_t *fifo = q->fifo, size = q->size;
+        if (tail >= size)
+            tail -= size;
+        for (j = 0; j < n; j++) {
+            fifo[tail] = r->id[j];
+            if (++tail == size)
+                tail = 0;
+        }
+        q->fifo_count += (uint16_t)n;
+    }
+    c->n = k0 + n;
+    c->nsegs = s0 + n;
+    q->inflight += (uint16_t)n;
+}
+
+/* Split: one-descriptor chains from last_avail up to avail_idx (already checked against the jump rule).
+ * Stops at a chain of more than one descriptor, or when c is full. 0, or -1 broken. */
+static inline int vq_dev_simple_split(struct vq_device *q, struct vq_chains *c, uint32_t lim, uint16_t avail_idx)
+{
+    const struct vring_desc *desc = q->desc;
+    const uint16_t *ring = q->avail->ring;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t last = q->last_avail, mask = q->size - 1, size = q->size;
+    int rc = 0, more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && rc == 0 && last != avail_idx && c->n < lim) {
+        struct vq_run r;
+        uint32_t m = lim - c->n, room = c->cap_segs - c->nsegs;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        for (r.n = 0; r.n < m && last != avail_idx; r.n++, last++) {
+            uint16_t head = VQ_ONCE(ring[last & mask]);
+            if (head >= size) {
+                rc = vq_dev_fail(q, VQ_ERR_HEAD_OUT_OF_RANGE, head, last);
+                break;
+            }
+            if (id_inflight[head]) {
+                rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, last);
+                break;
+            }
+            uint16_t flags = VQ_ONCE(desc[head].flags);
+            if (flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) {
+                more = 0;
+                break;
+            }
+            uint64_t addr = VQ_ONCE(desc[head].addr);
+            uint32_t len = VQ_ONCE(desc[head].len);
+            uint8_t *host = vq_translate0(&r0, mem, addr, len);
+            if (!host) {
+                rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+                break;
+            }
+            if (r.n >= room) {
+                more = 0;
+                break;
+            }
+            id_inflight[head] = 1;
+            r.id[r.n] = head; r.addr[r.n] = addr; r.len[r.n] = len; r.host[r.n] = host;
+            r.write[r.n] = !!(flags & VIRTQ_DESC_F_WRITE);
+        }
+        vq_run_record(q, c, &r);
+    }
+    q->last_avail = last;
+    return rc;
+}
+
+/* Packed: one-descriptor chains from slot last_avail while available (PACKED-V-18). Stops at a chain of
+ * more than one descriptor, or when c is full. 0, or -1 broken. */
+static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c, uint32_t lim)
+{
+    const struct vring_packed_desc *ring = q->pdesc;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t slot = q->last_avail, w = q->avail_wrap, size = q->size;
+    int rc = 0, more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && rc == 0 && c->n < lim) {
+        struct vq_run r;
+        uint32_t m = lim - c->n, room = c->cap_segs - c->nsegs;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        for (r.n = 0; r.n < m; r.n++) {
+            const struct vring_packed_desc *d = &ring[slot];
+            uint16_t flags = VQ_ACQUIRE(d->flags);
+            /* PACKED-V-18: available iff AVAIL == wrap and USED != wrap; and neither NEXT nor INDIRECT */
+            if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED | VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))
+                    != vq_avail_bits(w)) {
+                more = 0;
+                break;
+            }
+            uint64_t addr = VQ_ONCE(d->addr);
+            uint32_t len = VQ_ONCE(d->len);
+            uint16_t id = VQ_ONCE(d->id);
+            uint8_t *host = vq_translate0(&r0, mem, addr, len);
+            if (!host) {
+                rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
+                break;
+            }
+            if (r.n >= room) {
+                more = 0;
+                break;
+            }
+            if (id >= size) {   /* PACKED-V-10 */
+                rc = vq_dev_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, slot);
+                break;
+            }
+            if (id_inflight[id]) {
+                rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, id, slot);
+                break;
+            }
+            id_inflight[id] = 1;
+            r.id[r.n] = id; r.addr[r.n] = addr; r.len[r.n] = len; r.host[r.n] = host;
+            r.write[r.n] = !!(flags & VIRTQ_DESC_F_WRITE);
+            if (++slot == size) {
+                slot = 0;
+                w ^= 1;
+            }
+        }
+        vq_run_record(q, c, &r);
+    }
+    q->last_avail = slot;
+    q->avail_wrap = w;
+    return rc;
+}
+
 /* Split: parse the chain at head into c. 0 ok, 1 no room, -1 broken. */
 static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, uint16_t head)
 {
@@ -580,14 +951,21 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
 static inline int vq_dev_poll_split(struct vq_device *q, struct vq_chains *c, uint32_t max)
 {
     uint16_t size = q->size, avail_idx = VQ_ACQUIRE(q->avail->idx);
+    uint32_t lim = max < c->cap_chains ? max : c->cap_chains;
     if ((uint16_t)(avail_idx - q->last_avail) > size)   /* SPLIT-V-13 */
         return vq_dev_fail(q, VQ_ERR_AVAIL_IDX_JUMP, q->last_avail, avail_idx);
-    while (q->last_avail != avail_idx && c->n < max && c->n < c->cap_chains) {
+    while (q->last_avail != avail_idx && c->n < lim) {
+        if (vq_dev_simple_split(q, c, lim, avail_idx) < 0)
+            return -1;
+        if (q->last_avail == avail_idx || c->n >= lim)
+            break;
         uint16_t head = VQ_ONCE(q->avail->ring[q->last_avail & (size - 1)]);
         if (head >= size)
             return vq_dev_fail(q, VQ_ERR_HEAD_OUT_OF_RANGE, head, q->last_avail);
         if (q->id_inflight[head])
             return vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, q->last_avail);
+        if (!(VQ_ONCE(q->desc[head].flags) & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)))
+            break;   /* a simple chain the fast path left: no room for its segment */
         int r = vq_dev_chain_split(q, c, head);
         if (r < 0)
             return -1;
@@ -652,12 +1030,19 @@ static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, 
 
 static inline int vq_dev_poll_packed(struct vq_device *q, struct vq_chains *c, uint32_t max)
 {
-    while (c->n < max && c->n < c->cap_chains) {
+    uint32_t lim = max < c->cap_chains ? max : c->cap_chains;
+    while (c->n < lim) {
+        if (vq_dev_simple_packed(q, c, lim) < 0)
+            return -1;
+        if (c->n >= lim)
+            break;
         uint16_t flags = VQ_ACQUIRE(q->pdesc[q->last_avail].flags);
         uint16_t w = q->avail_wrap, ndesc = 0;
         /* PACKED-V-18: available iff AVAIL == wrap and USED != wrap */
         if (!!(flags & VIRTQ_DESC_F_AVAIL) != w || !!(flags & VIRTQ_DESC_F_USED) == w)
             break;
+        if (!(flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)))
+            break;   /* a simple chain the fast path left: no room for its segment */
         int r = vq_dev_chain_packed(q, c, &ndesc);
         if (r < 0)
             return -1;
@@ -683,87 +1068,162 @@ static inline int vq_dev_poll(struct vq_device *q, struct vq_chains *c, uint32_t
 /* Append completions to the shadow used array. Returns 0 or a VQ_USAGE_* code. */
 static inline int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, const uint32_t *lens, uint32_t n)
 {
+    /* locals: the uint8_t stores into id_inflight may alias any field read through q */
+    uint8_t *id_inflight = q->id_inflight;
+    uint32_t *shadow_id = q->shadow_id, *shadow_len = q->shadow_len, count = q->shadow_count;
+    const uint16_t *fifo = q->fifo;
+    uint16_t size = q->size, fifo_head = q->fifo_head, fifo_count = q->fifo_count;
+    int in_order = q->in_order, rc = 0;
     for (uint32_t k = 0; k < n; k++) {
         uint32_t id = ids[k];
-        if (id >= q->size || q->id_inflight[id] != 1)   /* 1: polled, 2: already in the shadow */
-            return VQ_USAGE_NOT_IN_FLIGHT;
-        if (q->in_order) {   /* INORDER-02 */
-            if (q->fifo_count == 0 || q->fifo[q->fifo_head] != id)
-                return VQ_USAGE_OUT_OF_ORDER;
-            if (++q->fifo_head == q->size)
-                q->fifo_head = 0;
-            q->fifo_count--;
+        if (id >= size || id_inflight[id] != 1) {   /* 1: polled, 2: already in the shadow */
+            rc = VQ_USAGE_NOT_IN_FLIGHT;
+            break;
         }
-        if (q->shadow_count >= q->size)
-            return VQ_USAGE_SHADOW_FULL;
-        q->id_inflight[id] = 2;   /* completed, waiting in the shadow */
-        q->shadow_id[q->shadow_count] = id;
-        q->shadow_len[q->shadow_count] = lens[k];
-        q->shadow_count++;
+        if (in_order) {   /* INORDER-02 */
+            if (fifo_count == 0 || fifo[fifo_head] != id) {
+                rc = VQ_USAGE_OUT_OF_ORDER;
+                break;
+            }
+            if (++fifo_head == size)
+                fifo_head = 0;
+            fifo_count--;
+        }
+        if (count >= size) {
+            rc = VQ_USAGE_SHADOW_FULL;
+            break;
+        }
+        id_inflight[id] = 2;   /* completed, waiting in the shadow */
+        shadow_id[count] = id;
+        shadow_len[count] = lens[k];
+        count++;
     }
-    return 0;
+    q->shadow_count = count;
+    q->fifo_head = fifo_head;
+    q->fifo_count = fifo_count;
+    return rc;
+}
+
+/* The shadow used array and what its flush moves, in locals (as struct vq_rec, for the same reason). */
+struct vq_shadow {
+    const uint32_t *id, *len, *id_wlen;
+    const uint16_t *id_ndesc;
+    uint8_t *id_inflight;
+    uint32_t count;
+    uint16_t size, used_idx, used_wrap, inflight, call_added;
+    uint8_t batch;
+};
+
+static inline void vq_shadow_load(struct vq_shadow *v, const struct vq_device *q)
+{
+    v->id = q->shadow_id; v->len = q->shadow_len; v->id_wlen = q->id_wlen; v->id_ndesc = q->id_ndesc;
+    v->id_inflight = q->id_inflight; v->count = q->shadow_count; v->size = q->size;
+    v->used_idx = q->used_idx; v->used_wrap = q->used_wrap; v->inflight = q->inflight;
+    v->call_added = q->call_added; v->batch = q->in_order && q->batch;
+}
+
+static inline void vq_shadow_store(const struct vq_shadow *v, struct vq_device *q)
+{
+    q->used_idx = v->used_idx; q->used_wrap = v->used_wrap; q->inflight = v->inflight;
+    q->call_added = v->call_added;
 }
 
 /* End of the batch starting at shadow entry i (INORDER-10: only fully written buffers are skipped). */
-static inline uint32_t vq_dev_batch_end(const struct vq_device *q, uint32_t i)
+static inline uint32_t vq_dev_batch_end(const struct vq_shadow *v, uint32_t i)
 {
-    if (!(q->in_order && q->batch))
+    if (!v->batch)
         return i;
-    while (i + 1 < q->shadow_count && q->shadow_len[i] == q->id_wlen[q->shadow_id[i]])
+    while (i + 1 < v->count && v->len[i] == v->id_wlen[v->id[i]])
         i++;
     return i;
 }
 
-static inline void vq_dev_retire(struct vq_device *q, uint32_t id)
+static inline void vq_dev_retire(struct vq_shadow *v, uint32_t id)
 {
-    q->id_inflight[id] = 0;
-    q->inflight--;
+    v->id_inflight[id] = 0;
+    v->inflight--;
 }
 
 static inline void vq_dev_flush_split(struct vq_device *q)
 {
-    uint16_t size = q->size;
-    for (uint32_t i = 0; i < q->shadow_count;) {
-        uint32_t j = vq_dev_batch_end(q, i);
-        struct vring_used_elem *e = &q->used->ring[q->used_idx & (size - 1)];   /* INORDER-08 */
-        VQ_STORE(e->id, q->shadow_id[j]);
-        VQ_STORE(e->len, q->shadow_len[j]);
+    struct vq_shadow v;
+    struct vring_used_elem *ring = q->used->ring;
+    vq_shadow_load(&v, q);
+    for (uint32_t i = 0; i < v.count;) {
+        uint32_t j = vq_dev_batch_end(&v, i);
+        struct vring_used_elem *e = &ring[v.used_idx & (v.size - 1)];   /* INORDER-08 */
+        VQ_STORE(e->id, v.id[j]);
+        VQ_STORE(e->len, v.len[j]);
         for (uint32_t k = i; k <= j; k++)
-            vq_dev_retire(q, q->shadow_id[k]);
-        q->used_idx += (uint16_t)(j - i + 1);   /* INORDER-07 */
-        q->call_added += (uint16_t)(j - i + 1);
+            vq_dev_retire(&v, v.id[k]);
+        v.used_idx += (uint16_t)(j - i + 1);   /* INORDER-07 */
+        v.call_added += (uint16_t)(j - i + 1);
         i = j + 1;
     }
+    vq_shadow_store(&v, q);
     VQ_RELEASE(q->used->idx, q->used_idx);   /* SPLIT-V-08: entries before idx */
 }
 
 static inline void vq_dev_flush_packed(struct vq_device *q)
 {
-    uint16_t size = q->size, first = q->used_idx, first_flags = 0;
-    for (uint32_t i = 0; i < q->shadow_count;) {
-        uint32_t j = vq_dev_batch_end(q, i);
-        uint16_t slot = q->used_idx, adv = 0;
-        struct vring_packed_desc *d = &q->pdesc[slot];
-        uint16_t flags = vq_used_bits(q->used_wrap) | (q->shadow_len[j] ? VIRTQ_DESC_F_WRITE : 0);
-        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);   /* INORDER-11/13: last id, at the batch's first slot */
-        VQ_STORE(d->len, q->shadow_len[j]);
+    struct vq_shadow v;
+    struct vring_packed_desc *ring = q->pdesc;
+    vq_shadow_load(&v, q);
+    uint16_t first = v.used_idx, first_flags = 0;
+    if (!v.batch) {   /* one used element per buffer: the loop below without its batch walk */
+        uint16_t used = v.used_idx, wrap = v.used_wrap, added = 0;
+        for (uint32_t i = 0; i < v.count; i++) {
+            uint32_t id = v.id[i], len = v.len[i];
+            uint16_t adv = v.id_ndesc[id];
+            struct vring_packed_desc *d = &ring[used];
+            uint16_t flags = vq_used_bits(wrap) | (len ? VIRTQ_DESC_F_WRITE : 0);
+            VQ_STORE(d->id, (uint16_t)id);
+            VQ_STORE(d->len, len);
+            v.id_inflight[id] = 0;
+            if (i == 0)
+                first_flags = flags;
+            else
+                VQ_SET(d->flags, flags);   /* after its body, before the first's */
+            used += adv;
+            if (used >= v.size) {
+                used -= v.size;
+                wrap ^= 1;
+            }
+            added += adv;
+        }
+        v.used_idx = used;
+        v.used_wrap = wrap;
+        v.inflight -= (uint16_t)v.count;
+        v.call_added += added;
+        vq_shadow_store(&v, q);
+        VQ_RELEASE(ring[first].flags, first_flags);   /* PACKED-V-16: the first one last */
+        return;
+    }
+    for (uint32_t i = 0; i < v.count;) {
+        uint32_t j = vq_dev_batch_end(&v, i);
+        uint16_t adv = 0;
+        struct vring_packed_desc *d = &ring[v.used_idx];
+        uint16_t flags = vq_used_bits(v.used_wrap) | (v.len[j] ? VIRTQ_DESC_F_WRITE : 0);
+        VQ_STORE(d->id, (uint16_t)v.id[j]);   /* INORDER-11/13: last id, at the batch's first slot */
+        VQ_STORE(d->len, v.len[j]);
         for (uint32_t k = i; k <= j; k++) {
-            adv += q->id_ndesc[q->shadow_id[k]];
-            vq_dev_retire(q, q->shadow_id[k]);
+            adv += v.id_ndesc[v.id[k]];
+            vq_dev_retire(&v, v.id[k]);
         }
         if (i == 0)
             first_flags = flags;
         else
             VQ_SET(d->flags, flags);   /* after its body, before the first's */
-        q->used_idx += adv;
-        if (q->used_idx >= size) {
-            q->used_idx -= size;
-            q->used_wrap ^= 1;
+        v.used_idx += adv;
+        if (v.used_idx >= v.size) {
+            v.used_idx -= v.size;
+            v.used_wrap ^= 1;
         }
-        q->call_added += adv;
+        v.call_added += adv;
         i = j + 1;
     }
-    VQ_RELEASE(q->pdesc[first].flags, first_flags);   /* PACKED-V-16: the first one last */
+    vq_shadow_store(&v, q);
+    VQ_RELEASE(ring[first].flags, first_flags);   /* PACKED-V-16: the first one last */
 }
 
 static inline void vq_dev_flush(struct vq_device *q)

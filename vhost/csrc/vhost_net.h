@@ -77,6 +77,24 @@ static inline void vh_macswap(uint8_t *p)
     memcpy(p + 6, t, 6);
 }
 
+/* Copy a frame without a libc call for the sizes a loopback moves most (16..128 bytes): two fixed-size moves,
+ * the second overlapping the first (never past either end). */
+static inline void vh_copy(uint8_t *dst, const uint8_t *src, uint32_t len)
+{
+    if (len >= 16 && len <= 32) {
+        __builtin_memcpy(dst, src, 16);
+        __builtin_memcpy(dst + len - 16, src + len - 16, 16);
+    } else if (len > 32 && len <= 64) {
+        __builtin_memcpy(dst, src, 32);
+        __builtin_memcpy(dst + len - 32, src + len - 32, 32);
+    } else if (len > 64 && len <= 128) {
+        __builtin_memcpy(dst, src, 64);
+        __builtin_memcpy(dst + len - 64, src + len - 64, 64);
+    } else {
+        memcpy(dst, src, len);
+    }
+}
+
 /* One dequeue burst into the intermediate queue; the used entries wait in the shadow (vh_tx_complete).
  * Returns chains taken, or -1 (Tx queue broke). */
 static inline int vh_dequeue_burst(struct vh_net *n)
@@ -94,46 +112,60 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     }
     if (got == 0)
         return 0;
-    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd;
-    uint64_t bytes = 0;
-    uint32_t pk = n->npkts;
+    /* locals: every copy into pkt_data may alias any field read through n or c */
+    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd, per_buffer = n->per_buffer, pk = n->npkts;
+    uint32_t direct = n->direct && !per_buffer;   /* per buffer: a chain is completed before the enqueue */
+    const uint16_t *cid = c->id, *nseg = c->nseg;
+    const uint32_t *rlens = c->rlen, *start = c->seg_start;
+    uint8_t *const *host = c->seg_host;
+    uint32_t *ids = n->ids, *lens = n->lens, *pkt_len = n->pkt_len;
+    const uint8_t **src = n->pkt_src;
+    uint8_t *data = n->pkt_data;
+    uint64_t bytes = 0, moved = 0, runt = 0, oversize = 0;
     if (pk == 0 && n->flush_mode == VH_FLUSH_TIMER)
         n->first_ns = vh_now_ns();
     for (uint32_t k = 0; k < VH_PREFETCH && k < (uint32_t)got; k++)
-        vh_prefetch2(c->seg_host[c->seg_start[k]], 0);
+        vh_prefetch2(host[start[k]], 0);
     for (uint32_t k = 0; k < (uint32_t)got; k++) {
-        uint32_t rlen = c->rlen[k];
+        uint32_t rlen = rlens[k];
         if (k + VH_PREFETCH < (uint32_t)got)   /* the frames are in the driver's cache: overlap the misses */
-            vh_prefetch2(c->seg_host[c->seg_start[k + VH_PREFETCH]], 0);
-        n->ids[k] = c->id[k];
-        n->lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
+            vh_prefetch2(host[start[k + VH_PREFETCH]], 0);
+        ids[k] = cid[k];
+        lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
         if (rlen <= hdr) {
-            n->st.tx_runt++;
+            runt++;
         } else if (rlen - hdr > size) {
-            n->st.tx_oversize++;
+            oversize++;
         } else {
             uint32_t plen = rlen - hdr;
-            uint8_t *dst = n->pkt_data + (uint64_t)pk * size;
-            uint32_t s = c->seg_start[k];
-            if (c->nseg[k] == 1)
-                memcpy(dst, c->seg_host[s] + hdr, plen);
-            else
-                vh_copy_out(c, k, hdr, dst);
-            if (fwd == VH_FWD_MACSWAP && plen >= 12)
-                vh_macswap(dst);
-            n->pkt_len[pk] = plen;
+            uint8_t *dst = data + (uint64_t)pk * size;
+            if (direct && nseg[k] == 1) {   /* read by the enqueue, MACs swapped in the Rx buffer */
+                src[pk] = host[start[k]] + hdr;
+            } else {
+                if (nseg[k] == 1)
+                    vh_copy(dst, host[start[k]] + hdr, plen);
+                else
+                    vh_copy_out(c, k, hdr, dst);
+                if (fwd == VH_FWD_MACSWAP && plen >= 12)
+                    vh_macswap(dst);
+                src[pk] = dst;
+            }
+            pkt_len[pk] = plen;
             bytes += plen;
-            n->st.tx_packets++;
+            moved++;
             if (fwd != VH_FWD_RXONLY)
                 pk++;
-            else
-                n->st.fwd_dropped++;
         }
-        if (n->per_buffer) {
-            vq_dev_push_used(q, &n->ids[k], &n->lens[k], 1);
+        if (per_buffer) {
+            vq_dev_push_used(q, &ids[k], &lens[k], 1);
             vq_dev_flush(q);
         }
     }
+    n->st.tx_packets += moved;
+    n->st.tx_runt += runt;
+    n->st.tx_oversize += oversize;
+    if (fwd == VH_FWD_RXONLY)
+        n->st.fwd_dropped += moved;
     if (!n->per_buffer)
         vq_dev_push_used(q, n->ids, n->lens, (uint32_t)got);
     n->tx_unflushed = 1;
@@ -144,8 +176,10 @@ static inline int vh_dequeue_burst(struct vh_net *n)
 }
 
 /* Publish the Tx completions of the last burst: one used-idx store (split) / one head flags store
- * (packed), then at most one call. The loop does this after the enqueue: the frames are already copied
- * out, and the driver waits for its Rx packets first. */
+ * (packed), then at most one call. The loop does this right after the dequeue when the frames were copied
+ * out (as DPDK's vhost does): a driver that gets its packets back must find their Tx descriptors free, or
+ * with as many packets in flight as the Tx ring holds it drops (testpmd does not retry). Without the
+ * staging copy (direct) it comes after the enqueue, which still reads the Tx buffers. */
 static inline void vh_tx_complete(struct vh_net *n)
 {
     if (!n->tx_unflushed)
@@ -238,15 +272,26 @@ static inline void vh_copy_in(const struct vq_chains *c, uint32_t k, uint32_t of
     }
 }
 
-/* The virtio-net header (NET-01): flags/gso/csum zero (nothing offloaded, NET-33/34), num_buffers. */
+/* The virtio-net header (NET-01): flags/gso/csum zero (nothing offloaded, NET-33/34), num_buffers
+ * (NET-28: 1 without MRG_RXBUF; NET-29: buffers used with it) in the 12-byte header. */
+static inline void vh_hdr_fill(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
+{
+    uint64_t lo = 0;
+    __builtin_memcpy(h, &lo, 8);
+    if (hdr_len >= 12) {
+        uint32_t hi = (uint32_t)nbuf << 16;   /* csum_offset 0, num_buffers (little-endian) */
+        __builtin_memcpy(h + 8, &hi, 4);
+    } else {
+        uint16_t hi = 0;
+        __builtin_memcpy(h + 8, &hi, 2);
+    }
+}
+
 static inline void vh_put_hdr(const struct vh_net *n, const struct vq_chains *c, uint32_t k, uint16_t nbuf)
 {
-    uint8_t h[12] = {0};
-    if (n->hdr_len >= 12) {   /* NET-28: 1 without MRG_RXBUF; NET-29: buffers used with it */
-        h[10] = (uint8_t)nbuf;
-        h[11] = (uint8_t)(nbuf >> 8);
-    }
+    uint8_t h[12];
     uint32_t s = c->seg_start[k];
+    vh_hdr_fill(h, n->hdr_len, nbuf);
     if (c->seg_write[s] && c->seg_len[s] >= n->hdr_len)
         memcpy(c->seg_host[s], h, n->hdr_len);
     else
@@ -264,6 +309,63 @@ static inline void vh_put_data(const struct vq_chains *c, uint32_t k, uint32_t o
         vh_copy_in(c, k, off, p, len);
 }
 
+/* The common enqueue, packets [first, first+count) while each fits the next carried Rx chain alone: one
+ * writable segment holding header + frame (num_buffers 1, with or without MRG_RXBUF). State in locals (the
+ * copies into guest memory may alias anything). Stops at the first packet for the general path or when the
+ * carry runs out; appends to ids/lens from *m. Returns the packets delivered. */
+static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint32_t count, uint32_t *m_io,
+                                         uint64_t *bytes_io)
+{
+    const struct vq_chains *c = n->rxc;
+    const uint16_t *cid = c->id, *nseg = c->nseg;
+    const uint32_t *wlen = c->wlen, *start = c->seg_start, *pkt_len = n->pkt_len;
+    uint8_t *const *host = c->seg_host;
+    const uint8_t *const *src = n->pkt_src;
+    const uint8_t *data = n->pkt_data;
+    uint32_t *ids = n->ids, *lens = n->lens;
+    uint32_t k = n->rx_next, cn = c->n, hdr = n->hdr_len, size = n->pkt_size, m = *m_io, done = 0;
+    uint32_t swap = n->direct && n->fwd == VH_FWD_MACSWAP;
+    uint64_t bytes = 0;
+    while (done < count && k < cn) {
+        uint32_t i = first + done, plen = pkt_len[i], total = plen + hdr;
+        if (nseg[k] != 1 || wlen[k] < total)   /* wlen > 0: the one segment is writable */
+            break;
+        if (k + VH_PREFETCH < cn)
+            vh_prefetch2(host[start[k + VH_PREFETCH]], 1);
+        uint8_t *dst = host[start[k]];
+        const uint8_t *p = src[i];
+        vh_hdr_fill(dst, hdr, 1);
+        vh_copy(dst + hdr, p, plen);
+        if (swap && plen >= 12 && p != data + (uint64_t)i * size)   /* direct: still the driver's frame */
+            vh_macswap(dst + hdr);
+        ids[m] = cid[k];
+        lens[m] = total;
+        m++;
+        k++;
+        done++;
+        bytes += plen;
+    }
+    n->rx_next = k;
+    *m_io = m;
+    *bytes_io += bytes;
+    return done;
+}
+
+/* Frame i of the intermediate queue in its pkt_data slot, copied there (and its MACs swapped) first if it is still
+ * the driver's Tx buffer (direct): the general enqueue path may write it over several Rx buffers or retry it. */
+static inline const uint8_t *vh_staged(struct vh_net *n, uint32_t i)
+{
+    uint8_t *slot = n->pkt_data + (uint64_t)i * n->pkt_size;
+    const uint8_t *p = n->pkt_src[i];
+    if (p != slot) {
+        vh_copy(slot, p, n->pkt_len[i]);
+        if (n->fwd == VH_FWD_MACSWAP && n->pkt_len[i] >= 12)
+            vh_macswap(slot);
+        n->pkt_src[i] = slot;
+    }
+    return slot;
+}
+
 /* One enqueue attempt of packets [first, first+count) of the intermediate queue.
  * Returns the packets consumed (delivered or dropped as too big); *delivered counts the first kind.
  * Stops at the first packet for which no Rx buffer is left. -1: the Rx queue broke. */
@@ -279,8 +381,15 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
     for (uint32_t k = n->rx_next; k < n->rx_next + VH_PREFETCH && k < c->n; k++)
         vh_prefetch2(c->seg_host[c->seg_start[k]], 1);
     for (; done < count; done++) {
+        if (!n->per_buffer) {
+            uint32_t f = vh_enqueue_simple(n, first + done, count - done, &m, &bytes);
+            done += f;
+            dl += f;
+            if (done == count)
+                break;
+        }
         uint32_t i = first + done, plen = n->pkt_len[i], total = plen + hdr;
-        const uint8_t *p = n->pkt_data + (uint64_t)i * n->pkt_size;
+        const uint8_t *p = vh_staged(n, i);
         if (n->rx_next == c->n) {   /* the carry is empty: one more poll for the rest */
             if (vh_rx_refill(n, count - done) < 0)
                 return -1;
@@ -404,14 +513,49 @@ static inline int vh_txq_flush(struct vh_net *n)
 /* The loop                                                                                    */
 /* ------------------------------------------------------------------------------------------- */
 
-/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). */
-static inline int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
+/* --idle sleep, after each poll iteration: busy -> kicks off; idle_polls empty polls -> kicks on, then one more
+ * poll (the re-check after enabling, EVT-09/MEM-09: a buffer made available before the driver saw the change
+ * is found by it); still empty -> returns 1, n->sleep set, and the caller blocks on the kick eventfd. */
+static inline int vh_idle(struct vh_net *n, int got)
+{
+    if (!n->txq)
+        return 0;
+    if (got > 0 || n->npkts) {
+        n->empty = 0;
+        if (n->kicks_on) {
+            vq_dev_enable_kicks(n->txq, 0);
+            n->kicks_on = 0;
+        }
+        return 0;
+    }
+    if (++n->empty < n->idle_polls)
+        return 0;
+    if (!n->kicks_on) {
+        vq_dev_enable_kicks(n->txq, 1);   /* with a full fence before the next poll reads the ring */
+        n->kicks_on = 1;
+        n->empty = n->idle_polls - 1;     /* one more poll, then sleep */
+        return 0;
+    }
+    n->sleep = 1;
+    n->st.sleeps++;
+    return 1;
+}
+
+/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). Not inlined: one
+ * call per time slice, and a symbol profilers can count from (benchmarks/loop_profile.py). */
+static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
 {
     uint64_t start = vh_now_ns();
+    n->sleep = 0;
     for (uint32_t it = 0; it < max_iters; it++) {
         uint64_t t0 = n->timing ? vh_now_ns() : 0;
         int got = vh_dequeue_burst(n);
-        if (n->npkts >= n->threshold) {
+        if (!n->direct)
+            vh_tx_complete(n);
+        if (n->direct && n->npkts) {   /* no intermediate queue: every burst goes on at once */
+            n->st.flush_rx_batch++;
+            vh_txq_flush(n);
+        } else if (n->npkts >= n->threshold) {
             n->st.flush_threshold++;
             vh_txq_flush(n);
         } else if (n->npkts) {
@@ -436,6 +580,8 @@ static inline int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_n
         }
         if (!n->txq && !n->npkts)
             break;   /* nothing left to do */
+        if (n->idle_polls && vh_idle(n, got))
+            break;   /* sleep: the caller blocks on the kick eventfd */
         if ((it & 63) == 63 && vh_now_ns() - start >= budget_ns)
             break;
     }

@@ -21,6 +21,9 @@ struct vh_stats {
     uint64_t fwd_dropped;                /* rxonly: packets freed */
     uint64_t iterations;
     uint64_t busy_iterations, busy_ns;  /* iterations that moved packets, and the time they took */
+    /* notifications (--idle sleep) */
+    uint64_t sleeps;                     /* times the loop gave up polling and asked to block on the kick */
+    uint64_t tx_kicks;                   /* kicks received on vring 1 (eventfd counts, added by the server) */
 };
 
 struct vh_net {
@@ -33,12 +36,19 @@ struct vh_net {
     uint64_t timer_ns;
     uint8_t *pkt_data;                   /* pkt_cap buffers of pkt_size bytes: the intermediate Tx queue */
     uint32_t *pkt_len;
+    const uint8_t **pkt_src;             /* where each queued frame is: its pkt_data slot, or (direct) the
+                                            driver's Tx buffer, read before that chain is completed */
+    uint32_t direct;                     /* --txq-flush none: no staging copy for one-segment frames */
     uint32_t pkt_size, pkt_cap, npkts;
     uint64_t first_ns;                   /* when the oldest packet in the intermediate queue arrived */
     uint32_t *ids, *lens;                /* scratch for push_used (queue size entries) */
     uint32_t tx_unflushed;               /* Tx completions pushed, not yet published */
     uint32_t timing;                     /* measure busy_ns (two clock reads per iteration) */
     int32_t broken;                      /* bit 0: Rx queue broke, bit 1: Tx queue broke (see vq_device.error) */
+    uint32_t idle_polls;                 /* --idle sleep: empty polls before kicks are enabled (0: always poll) */
+    uint32_t empty;                      /* consecutive empty polls */
+    uint32_t kicks_on;                   /* kicks enabled on vring 1 (the loop is about to sleep, or woke up) */
+    uint32_t sleep;                      /* set by vh_run: enabled, re-checked, still empty: block on the kick */
     void (*hook)(void *, uint32_t, uint32_t, uint32_t);  /* tests: called after each enqueue attempt */
     void *hook_ctx;
     struct vh_stats st;

@@ -15,49 +15,69 @@
 
 #define VN_NONE 0xffffffffu
 #define VN_HDR_SLOT 16
+#define VN_TX_RETRIES 1024   /* macfwd: reclaim-and-retry rounds for a full Tx ring before dropping */
 
 /* ----------------------------------------------------------------------------------- pool */
 
 static inline uint8_t *vn_buf(const struct vn_pool *p, uint32_t b) { return p->host + (uint64_t)b * p->buf_size; }
 static inline uint64_t vn_gpa(const struct vn_pool *p, uint32_t b) { return p->gpa + (uint64_t)b * p->buf_size; }
 
-/* Take up to n buffers off the free stack (data_off = headroom, one segment). */
+/* Take up to n buffers off the free stack (data_off = headroom, one segment). State in locals: the uint8_t
+ * stores into owned[] may alias anything. */
 static inline uint32_t vn_pool_alloc(struct vn_pool *p, uint32_t *out, uint32_t n)
 {
-    if (n > p->top)
-        n = p->top;
+    uint32_t top = p->top, *stack = p->stack, *data_len = p->data_len, *next = p->next;
+    uint16_t *data_off = p->data_off, hr = (uint16_t)p->headroom;
+    uint8_t *owned = p->owned;
+    if (n > top)
+        n = top;
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t b = p->stack[--p->top];
-        p->owned[b] = 1;
-        p->data_off[b] = (uint16_t)p->headroom;
-        p->data_len[b] = 0;
-        p->next[b] = VN_NONE;
+        uint32_t b = stack[--top];
+        owned[b] = 1;
+        data_off[b] = hr;
+        data_len[b] = 0;
+        next[b] = VN_NONE;
         out[i] = b;
     }
+    p->top = top;
     return n;
 }
 
-/* Give one packet (its whole segment chain) back. Bad or double frees are counted, not followed. */
-static inline void vn_pool_free1(struct vn_pool *p, uint32_t b)
+/* Give packets (their whole segment chains) back: idx32[i] or idx64[i] (one of them NULL). Bad or double frees
+ * are counted, not followed. */
+static inline __attribute__((always_inline)) void
+vn_pool_free_v(struct vn_pool *p, const uint32_t *idx32, const uint64_t *idx64, uint32_t n)
 {
-    uint32_t hops = 0;
-    while (b != VN_NONE) {
-        if (b >= p->nbufs || !p->owned[b] || ++hops > p->nbufs) {
-            p->bad_frees++;
-            return;
+    uint32_t top = p->top, nbufs = p->nbufs, *stack = p->stack, *next = p->next;
+    uint8_t *owned = p->owned;
+    uint64_t bad = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t b = idx32 ? idx32[i] : idx64[i];
+        uint32_t hops = 0;
+        while (b != VN_NONE) {
+            if (b >= nbufs || !owned[b] || ++hops > nbufs) {
+                bad++;
+                break;
+            }
+            uint32_t nx = next[b];
+            owned[b] = 0;
+            next[b] = VN_NONE;
+            stack[top++] = (uint32_t)b;
+            b = nx;
         }
-        uint32_t nx = p->next[b];
-        p->owned[b] = 0;
-        p->next[b] = VN_NONE;
-        p->stack[p->top++] = b;
-        b = nx;
     }
+    p->top = top;
+    p->bad_frees += bad;
 }
 
 static inline void vn_pool_free(struct vn_pool *p, const uint32_t *idx, uint32_t n)
 {
-    for (uint32_t i = 0; i < n; i++)
-        vn_pool_free1(p, idx[i]);
+    vn_pool_free_v(p, idx, 0, n);
+}
+
+static inline void vn_pool_free1(struct vn_pool *p, uint32_t b)
+{
+    vn_pool_free_v(p, &b, 0, 1);
 }
 
 /* ----------------------------------------------------------------------------------- notifications */
@@ -107,8 +127,7 @@ static inline int vn_tx_cleanup(struct vn_txq *t, uint32_t need)
         }
         if (r == 0)
             break;
-        for (int i = 0; i < r; i++)
-            vn_pool_free1(t->pool, (uint32_t)t->tok[i]);
+        vn_pool_free_v(t->pool, 0, t->tok, (uint32_t)r);
         vn_quiet(q);
         t->reclaimed_bufs += (uint32_t)r;
         t->reclaimed_descs += (uint16_t)(q->num_free - before);
@@ -142,74 +161,207 @@ static inline uint32_t vn_tx_segs(struct vn_txq *t, uint32_t b, uint32_t len)
     return b == VN_NONE ? n : 0;
 }
 
-/* Queue up to n packets. Fast path: one segment with headroom -> header written into the headroom, ONE
- * descriptor. Slow path: header from the header area + segments, as a chain or one indirect descriptor.
- * more != 0 defers the kick (xmit_more). Sets t->kick when the device asked to be notified. */
-static inline uint32_t vn_tx_burst(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n,
-                                   int more)
+/* The header into a buffer's headroom: the burst's template (fixed-size moves; hs is 10 or 12, NET-03), or, in the
+ * per-packet variant, cleared in place for each packet. */
+static inline void vn_hdr_put(uint8_t *d, const uint8_t *tmpl, uint32_t hs, int per_packet)
 {
-    struct vq_driver *q = t->q;
-    struct vn_pool *p = t->pool;
-    uint32_t hs = t->hdr_size, need = 0, i;
-    int full = 0;
-    memset(t->hdr_tmpl, 0, sizeof(t->hdr_tmpl));   /* once per burst: flags 0, GSO_NONE, num_buffers 0 */
-    for (i = 0; i < n; i++) {
+    if (per_packet) {
+        memset(d, 0, hs);
+        return;
+    }
+    __builtin_memcpy(d, tmpl, 8);
+    if (hs >= 12)
+        __builtin_memcpy(d + 8, tmpl + 8, 4);
+    else
+        __builtin_memcpy(d + 8, tmpl + 8, 2);
+}
+
+/* Descriptors the packets idx[0..n) need (1 on the fast path; the slow path's chain or indirect table). */
+static inline uint32_t vn_tx_need(const struct vn_txq *t, const uint32_t *idx, uint32_t n)
+{
+    const struct vn_pool *p = t->pool;
+    uint32_t need = 0;
+    for (uint32_t i = 0; i < n; i++) {
         uint32_t b = idx[i];
         if (b >= p->nbufs)
             need += 1;
-        else if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= hs)
+        else if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= t->hdr_size)
             need += 1;
         else {
             uint32_t k = 1, c = b;
             while (c < p->nbufs && k <= t->max_segs) { k++; c = p->next[c]; }
-            need += vq_drv_needed(q, k);
+            need += vq_drv_needed(t->q, k);
         }
     }
-    if (need > q->num_free && vn_tx_cleanup(t, need) < 0)
-        return 0;
-    for (i = 0; i < n; i++) {
-        uint32_t b = idx[i], l = len[i];
-        if (b >= p->nbufs || !p->owned[b]) {   /* not ours: refuse (counted), stop here */
-            t->errors++;
+    return need;
+}
+
+#define VN_RUN 64   /* fast-path packets handed to the ring in one vq_drv_add_simple call */
+
+/* Fast path: packets of one segment with headroom get the header written into it and go as ONE descriptor each,
+ * a run at a time. State in locals (the header stores may alias anything). Stops at the first packet that is not
+ * ours, needs the slow path, or does not fit. Returns the packets queued (not yet published). */
+static inline __attribute__((always_inline)) uint32_t
+vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n, int per_packet)
+{
+    const struct vn_pool *p = t->pool;
+    const uint8_t *owned = p->owned;
+    const uint16_t *data_off = p->data_off;
+    const uint32_t *next = p->next;
+    uint8_t *host = p->host;
+    uint64_t gpa = p->gpa, bs = p->buf_size, bytes = 0;
+    uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0;
+    uint8_t tmpl[12];
+    uint64_t a[VN_RUN], tok[VN_RUN];
+    uint32_t l[VN_RUN];
+    __builtin_memcpy(tmpl, t->hdr_tmpl, sizeof tmpl);
+    while (done < n) {
+        uint32_t k = 0, m = n - done < VN_RUN ? n - done : VN_RUN;
+        for (; k < m; k++) {
+            uint32_t b = idx[done + k];
+            if (b >= nbufs || !owned[b] || next[b] != VN_NONE || data_off[b] < hs)
+                break;
+            uint64_t off = (uint64_t)b * bs + data_off[b] - hs;
+            vn_hdr_put(host + off, tmpl, hs, per_packet);
+            a[k] = gpa + off;
+            l[k] = len[done + k] + hs;
+            tok[k] = b;
+        }
+        uint32_t added = k ? vq_drv_add_simple(t->q, a, l, 0, tok, k) : 0;
+        for (uint32_t j = 0; j < added; j++)
+            bytes += len[done + j];
+        done += added;
+        if (added < m)
             break;
-        }
-        if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= hs) {
-            uint8_t *d = vn_buf(p, b) + p->data_off[b] - hs;
-            uint64_t a = vn_gpa(p, b) + p->data_off[b] - hs;
-            uint32_t dl = l + hs;
-            memcpy(d, t->hdr_tmpl, hs);
-            full = q->packed ? vq_drv_add1_packed(q, &a, &dl, 1, 1, b) : vq_drv_add1_split(q, &a, &dl, 1, 1, b);
-            if (full)
-                break;
-            t->fast++;
-        } else {
-            uint32_t k = vn_tx_segs(t, b, l);
-            if (k == 0 || k > q->size) {
-                t->errors++;
-                break;
-            }
-            full = q->packed ? vq_drv_add1_packed(q, t->seg_addr, t->seg_len, k, k, b)
-                             : vq_drv_add1_split(q, t->seg_addr, t->seg_len, k, k, b);
-            if (full)
-                break;
-            t->slow++;
-        }
-        t->bytes += l;
     }
-    t->packets += i;
-    if (full)
-        t->full += n - i;
-    if (i)
-        vq_drv_publish(q);
-    t->pending_kick |= i != 0;
-    t->kick = 0;
-    if (!more && t->pending_kick) {   /* one kick per burst at most, only when the device asks */
+    t->bytes += bytes;
+    t->fast += done;
+    return done;
+}
+
+static inline uint32_t vn_tx_fast(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n)
+{
+    return t->hdr_per_packet ? vn_tx_fast_v(t, idx, len, n, 1) : vn_tx_fast_v(t, idx, len, n, 0);
+}
+
+/* One packet by the general path: header slot + segments as a chain, or one indirect descriptor (also the fast
+ * path's packet when the ring was full). 0 queued, 1 no room, -1 refused (counted). */
+static inline int vn_tx_one(struct vn_txq *t, uint32_t b, uint32_t l)
+{
+    struct vq_driver *q = t->q;
+    struct vn_pool *p = t->pool;
+    uint32_t hs = t->hdr_size;
+    int full;
+    if (!t->force_slow && p->next[b] == VN_NONE && p->data_off[b] >= hs) {
+        uint8_t *d = vn_buf(p, b) + p->data_off[b] - hs;
+        uint64_t a = vn_gpa(p, b) + p->data_off[b] - hs;
+        uint32_t dl = l + hs;
+        vn_hdr_put(d, t->hdr_tmpl, hs, t->hdr_per_packet);
+        full = q->packed ? vq_drv_add1_packed(q, &a, &dl, 1, 1, b) : vq_drv_add1_split(q, &a, &dl, 1, 1, b);
+        t->fast += !full;
+    } else {
+        uint32_t k = vn_tx_segs(t, b, l);
+        if (k == 0 || k > q->size) {
+            t->errors++;
+            return -1;
+        }
+        full = q->packed ? vq_drv_add1_packed(q, t->seg_addr, t->seg_len, k, k, b)
+                         : vq_drv_add1_split(q, t->seg_addr, t->seg_len, k, k, b);
+        t->slow += !full;
+    }
+    if (!full)
+        t->bytes += l;
+    return full;
+}
+
+/* Publish what was queued; one kick at most, only when the device asks and the caller has no `more`. */
+static inline void vn_tx_publish(struct vn_txq *t, uint32_t queued, int more)
+{
+    if (queued)
+        vq_drv_publish(t->q);
+    t->pending_kick |= queued != 0;
+    if (!more && t->pending_kick) {
         t->pending_kick = 0;
-        if (vq_drv_kick_prepare(q)) {
+        if (vq_drv_kick_prepare(t->q)) {
             t->kick = 1;
             vn_notify(t->kickfd, &t->kicks);
         }
     }
+}
+
+/* Queue up to n packets (fast path first, the general path for the others), reclaiming at least what the rest
+ * needs when the ring runs short (DPDK: cleanup of at least `need`). Returns the packets queued; -1 in *err when
+ * the ring broke. */
+static inline uint32_t vn_tx_queue(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n, int *err)
+{
+    struct vq_driver *q = t->q;
+    struct vn_pool *p = t->pool;
+    uint32_t i = 0;
+    int reclaimed = 0;
+    if (q->num_free < n) {
+        uint32_t need = vn_tx_need(t, idx, n);
+        reclaimed = 1;
+        if (need > q->num_free && vn_tx_cleanup(t, need) < 0) {
+            *err = -1;
+            return 0;
+        }
+    }
+    while (i < n) {
+        if (!t->force_slow)
+            i += vn_tx_fast(t, idx + i, len + i, n - i);
+        if (i == n)
+            break;
+        uint32_t b = idx[i];
+        if (b >= p->nbufs || !p->owned[b]) {   /* not ours: refuse (counted), stop here */
+            t->errors++;
+            break;
+        }
+        int r = vn_tx_one(t, b, len[i]);
+        if (r == 1 && !reclaimed) {   /* the rest did not fit: reclaim for it once, then try again */
+            uint32_t need = vn_tx_need(t, idx + i, n - i);
+            reclaimed = 1;
+            if (need > q->num_free && vn_tx_cleanup(t, need) < 0) {
+                *err = -1;
+                return i;
+            }
+            continue;
+        }
+        if (r) {
+            if (r == 1)
+                t->full += n - i;
+            break;
+        }
+        i++;
+    }
+    return i;
+}
+
+/* Queue up to n packets. Fast path: one segment with headroom -> header written into the headroom, ONE
+ * descriptor. Slow path: header from the header area + segments, as a chain or one indirect descriptor.
+ * more != 0 defers the kick (xmit_more). Sets t->kick when the device asked to be notified. The
+ * doorbell-per-packet variant publishes and may kick after every packet instead (no xmit_more). */
+static inline uint32_t vn_tx_burst(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n,
+                                   int more)
+{
+    uint32_t i = 0;
+    int err = 0;
+    memset(t->hdr_tmpl, 0, sizeof(t->hdr_tmpl));   /* once per burst: flags 0, GSO_NONE, num_buffers 0 */
+    t->kick = 0;
+    if (t->doorbell_per_packet) {
+        for (; i < n; i++) {
+            uint32_t k = vn_tx_queue(t, idx + i, len + i, 1, &err);
+            if (err < 0)
+                break;
+            vn_tx_publish(t, k, 0);
+            if (k == 0)
+                break;
+        }
+    } else {
+        i = vn_tx_queue(t, idx, len, n, &err);
+        if (err == 0)
+            vn_tx_publish(t, i, more);
+    }
+    t->packets += i;
     return i;
 }
 
@@ -238,11 +390,15 @@ static inline uint32_t vn_rx_refill(struct vn_rxq *r, uint32_t thresh)
     if (room == 0 || room < thresh)
         return 0;
     uint32_t k = vn_pool_alloc(p, r->ref_idx, room);
+    const uint32_t *ref_idx = r->ref_idx;
+    uint64_t *ref_addr = r->ref_addr, *ref_tok = r->ref_tok;
+    uint32_t *ref_len = r->ref_len, post_len = r->post_len;
+    uint64_t base = p->gpa + p->headroom - r->hdr_size, bs = p->buf_size;   /* header lands in the headroom */
     for (uint32_t i = 0; i < k; i++) {
-        uint32_t b = r->ref_idx[i];
-        r->ref_addr[i] = vn_gpa(p, b) + p->headroom - r->hdr_size;   /* header lands in the headroom */
-        r->ref_len[i] = r->post_len;
-        r->ref_tok[i] = b;
+        uint32_t b = ref_idx[i];
+        ref_addr[i] = base + b * bs;
+        ref_len[i] = post_len;
+        ref_tok[i] = b;
     }
     uint32_t added = vq_drv_add_simple(q, r->ref_addr, r->ref_len, 1, r->ref_tok, k);
     if (added < k)
@@ -319,6 +475,48 @@ static inline int vn_rx_take(struct vn_rxq *r, uint32_t b, uint32_t len, uint32_
     return 1;
 }
 
+/* vn_rx_take for the reclaimed buffers tok[0..got): a packet of one buffer (no MRG_RXBUF, or num_buffers 1)
+ * with the state in locals; anything else (a merged packet, a bad token or header) by vn_rx_take. */
+static inline void vn_rx_take_all(struct vn_rxq *r, uint32_t got, uint32_t *out_idx, uint32_t *out_len,
+                                  uint32_t *nout_io)
+{
+    struct vn_pool *p = r->pool;
+    const uint64_t *tok = r->tok;
+    const uint32_t *lens = r->lens;
+    const uint8_t *owned = p->owned, *host = p->host;
+    uint16_t *data_off = p->data_off, hr = (uint16_t)p->headroom;
+    uint32_t *data_len = p->data_len, *next = p->next;
+    uint32_t nbufs = p->nbufs, hs = r->hdr_size, mrg = r->mrg, nout = *nout_io;
+    uint64_t bs = p->buf_size, pkts = 0, bytes = 0;
+    for (uint32_t i = 0; i < got; i++) {
+        uint64_t b = tok[i];
+        uint32_t len = lens[i];
+        if (r->part_left == 0 && b < nbufs && owned[b] && len >= hs) {
+            const uint8_t *h = host + b * bs + hr - hs;
+            if (!mrg || (h[10] | (h[11] << 8)) == 1) {   /* NET-29: num_buffers */
+                data_off[b] = hr;
+                data_len[b] = len - hs;
+                next[b] = VN_NONE;
+                out_idx[nout] = (uint32_t)b;
+                out_len[nout] = len - hs;
+                nout++;
+                pkts++;
+                bytes += len - hs;
+                continue;
+            }
+        }
+        r->packets += pkts;
+        r->bytes += bytes;
+        r->bufs += pkts;
+        pkts = bytes = 0;
+        vn_rx_take(r, (uint32_t)b, len, out_idx, out_len, &nout);
+    }
+    r->packets += pkts;
+    r->bytes += bytes;
+    r->bufs += pkts;
+    *nout_io = nout;
+}
+
 /* Receive up to max packets (indices of first buffers, lengths with the header stripped); no refill. */
 static inline int vn_rx_recv(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_len, uint32_t max)
 {
@@ -334,8 +532,7 @@ static inline int vn_rx_recv(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_
         }
         if (got == 0)
             break;
-        for (int i = 0; i < got; i++)
-            vn_rx_take(r, (uint32_t)r->tok[i], r->lens[i], out_idx, out_len, &nout);
+        vn_rx_take_all(r, (uint32_t)got, out_idx, out_len, &nout);
     }
     return (int)nout;
 }
@@ -390,9 +587,9 @@ static inline uint32_t vn_lat_bucket(uint64_t ns)
     return b > 255 ? 255 : b;
 }
 
-/* For each received frame: latency = now - the timestamp it carries; then stamp it with now (it goes back
- * out right away). One clock read per burst. */
-static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
+/* For each received frame: latency = now - the timestamp it carries; then, when `restamp`, stamp it with now (it
+ * goes back out right away: macfwd). One clock read per burst. */
+static inline void vn_lat_measure(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n, int restamp)
 {
     uint64_t now = vn_now_ns();
     for (uint32_t i = 0; i < n; i++) {
@@ -404,7 +601,8 @@ static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint
         uint8_t *d = vn_buf(p, b) + p->data_off[b] + l->ts_off;
         uint64_t ts;
         memcpy(&ts, d, 8);
-        memcpy(d, &now, 8);
+        if (restamp)
+            memcpy(d, &now, 8);
         if (ts == 0 || ts > now) {
             l->bad++;
             continue;
@@ -418,6 +616,19 @@ static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint
             l->max = ns;
         l->hist[vn_lat_bucket(ns)]++;
     }
+}
+
+static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
+{
+    vn_lat_measure(l, p, idx, n, 1);
+}
+
+/* Start the histogram over (after the warm-up). */
+static inline void vn_lat_reset(struct vn_lat *l)
+{
+    uint32_t off = l->ts_off;
+    memset(l, 0, sizeof *l);
+    l->ts_off = off;
 }
 
 /* Allocate and build n packets of len bytes from the template into out[]: one buffer when the frame fits
@@ -510,11 +721,12 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
     return bad;
 }
 
-/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, send
- * back; what does not fit in Tx is dropped (freed, counted). Refill and Tx cleanup come after the send, off the
- * round trip. Returns the packet count, or -1 when a ring broke. */
-static inline int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                               uint32_t spin)
+/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, refill the
+ * Rx ring, send back; what still does not fit in Tx after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off
+ * the round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
+ * (benchmarks/loop_profile.py). */
+static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
+                                                  uint32_t max, uint32_t spin)
 {
     int n;
     r->kick = 0;
@@ -530,7 +742,18 @@ static inline int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx
         if (r->lat)
             vn_lat_update(r->lat, r->pool, idx, (uint32_t)n);
         vn_macswap(r->pool, idx, (uint32_t)n);
+        /* repost what was received before it goes back out: with as many packets in flight as the Rx ring holds
+         * (bench: 256 into 256) they would otherwise reach a ring with no buffer left and be dropped */
+        vn_rx_refill(r, 1);
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
+        /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
+         * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
+        for (uint32_t tries = 0; sent < (uint32_t)n && tries < VN_TX_RETRIES && !t->q->error; tries++) {
+            __builtin_ia32_pause();
+            if (vn_tx_cleanup(t, (uint32_t)n - sent) < 0)
+                return -1;
+            sent += vn_tx_burst(t, idx + sent, len + sent, (uint32_t)n - sent, 0);
+        }
         if (t->q->error)
             return -1;
         if (sent < (uint32_t)n) {
@@ -573,6 +796,70 @@ static inline uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, co
         t->dropped += k - sent;
     }
     return sent;
+}
+
+/* Open-loop Tx at a fixed rate (vring bench --rate): the packets due by now go out (at most `max` per step), each
+ * stamped with the time it was due, so that a late sender shows up as latency; received frames (at most `rx_max`
+ * per step: a receiver slower than the sender when smaller) are measured against that stamp and freed. What does not fit in Tx is dropped (counted in t->dropped). Up to `steps` steps;
+ * with `spin`, returns early after that many idle steps in a row (nothing due, nothing received) and sets
+ * pc->idle: the caller may block until pc->next_ns. Returns the packets received, or -1 when a ring broke. */
+static inline int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn_pace *pc, uint32_t *tx_idx,
+                                   uint32_t *tx_len, uint32_t *rx_idx, uint32_t *rx_len, const uint8_t *tmpl,
+                                   uint32_t plen, uint32_t seq_off, uint32_t ts_off, uint32_t max, uint32_t rx_max,
+                                   uint32_t spin, uint32_t steps)
+{
+    struct vn_pool *p = r->pool;
+    int64_t total = 0;
+    uint32_t idle = 0;
+    pc->idle = 0;
+    for (uint32_t s = 0; s < steps; s++) {
+        uint64_t now = vn_now_ns();
+        uint64_t due = now < pc->t0 ? 0 : (uint64_t)((double)(now - pc->t0) / pc->ns_per_pkt) + 1;
+        uint32_t k = 0;
+        due = due > pc->offered ? due - pc->offered : 0;
+        if (due) {
+            k = vn_gen(p, tx_idx, due < max ? (uint32_t)due : max, tmpl, plen, pc->offered, seq_off, 0, ts_off);
+            for (uint32_t i = 0; i < k; i++) {
+                uint64_t at = pc->t0 + (uint64_t)((double)(pc->offered + i) * pc->ns_per_pkt);
+                uint32_t b = tx_idx[i];
+                if (p->data_len[b] >= ts_off + 8)
+                    memcpy(vn_buf(p, b) + p->data_off[b] + ts_off, &at, 8);
+                tx_len[i] = plen;
+            }
+            uint32_t sent = vn_tx_burst(t, tx_idx, tx_len, k, 0);
+            if (t->q->error)
+                return -1;
+            if (sent < k) {
+                vn_pool_free(p, tx_idx + sent, k - sent);
+                t->dropped += k - sent;
+            }
+            pc->offered += k;
+            if (k < due && p->top == 0)
+                pc->nobuf += 1;   /* the pool ran dry: the receiver holds everything */
+        }
+        int n = vn_rx_recv(r, rx_idx, rx_len, rx_max);
+        if (n < 0)
+            return -1;
+        if (n > 0) {
+            if (r->lat)
+                vn_lat_measure(r->lat, p, rx_idx, (uint32_t)n, 0);
+            vn_pool_free(p, rx_idx, (uint32_t)n);
+            total += n;
+        }
+        vn_rx_refill(r, r->refill_thresh);
+        if (t->q->num_free < t->cleanup_thresh && vn_tx_cleanup(t, t->cleanup_thresh) < 0)
+            return -1;
+        if (k == 0 && n == 0) {
+            if (spin && ++idle >= spin) {
+                pc->idle = 1;
+                break;
+            }
+        } else {
+            idle = 0;
+        }
+    }
+    pc->next_ns = pc->t0 + (uint64_t)((double)pc->offered * pc->ns_per_pkt);
+    return total;
 }
 
 /* rxonly: receive (spinning up to `spin` empty polls) and free. Returns packets received, or -1. */

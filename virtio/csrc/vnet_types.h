@@ -26,6 +26,9 @@ struct vn_txq {
     uint64_t hdr_gpa;
     uint8_t hdr_tmpl[16];   /* set once per burst */
     uint8_t force_slow, kick, pending_kick, pad;   /* kick: this burst notified the device */
+    /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
+     * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
+    uint8_t hdr_per_packet, doorbell_per_packet, pad2[2];
     int32_t kickfd;         /* eventfd, or -1 (count only) */
     uint64_t *tok;          /* reclaim scratch, size entries */
     uint32_t *lens;
@@ -58,4 +61,14 @@ struct vn_lat {
     uint32_t pad;
     uint64_t count, sum, min, max, bad;
     uint64_t hist[256];
+};
+
+/* Open-loop pacing (vn_pace_loop): packet k is due at t0 + k * ns_per_pkt. */
+struct vn_pace {
+    double ns_per_pkt;
+    uint64_t t0;            /* CLOCK_MONOTONIC ns of packet 0 */
+    uint64_t offered;       /* packets due so far that were generated (sent or dropped at Tx) */
+    uint64_t next_ns;       /* when the next one is due */
+    uint64_t nobuf;         /* steps that found the pool empty */
+    uint32_t idle, pad;     /* idle: the last call stopped after `spin` idle steps */
 };

@@ -1,0 +1,96 @@
+"""The driver's Tx variants, each a code path fixed when the queue is built (vring bench --study hdr-prepend,
+hdr-init, doorbell), against the in-process device half.
+
+NET-06/07/08: whatever the variant, the header the device reads is all zero (flags 0, GSO_NONE, num_buffers 0).
+hdr-prepend: headroom -> ONE descriptor; chain -> a header descriptor chained before the data (2); indirect -> one
+ring descriptor whose table holds both (SPLIT-D-09 / PACKED-D-20 on the device side).
+EVT-12 / EVT-24: the doorbell variant decides how often the driver publishes and asks for a kick: once per burst
+(xmit_more) or after every packet; none at all while the device suppresses kicks.
+"""
+import numpy as np
+import pytest
+
+from rings.errors import ConfigError
+from rings.layout import VIRTIO_F_INDIRECT_DESC, bit
+from rings.virtq import DeviceQueue
+from virtio.net import NetQueues, TxQueue
+
+
+def make(features, **kw):
+    nq = NetQueues(features | bit(VIRTIO_F_INDIRECT_DESC), size=64, nbufs=1024, **kw)
+    dev = DeviceQueue(nq.mem.table, nq.mem.tx_layout, features | bit(VIRTIO_F_INDIRECT_DESC))
+    return nq, dev
+
+
+def frames(nq, n, size=60):
+    idx = nq.pool.alloc(n)
+    for k, b in enumerate(idx):
+        nq.pool.write(b, bytes([k + 1]) * size)
+        start = int(b) * nq.pool.buf_size
+        nq.pool.mem[start:start + nq.pool.headroom] = 0xFF   # the header must be cleared, not left over
+    return idx, np.full(n, size, np.uint32)
+
+
+@pytest.mark.parametrize("hdr, ndesc, nseg", [("headroom", 1, 1), ("chain", 2, 2), ("indirect", 1, 2)])
+def test_net_06_hdr_prepend_variants(variant, hdr, ndesc, nseg):
+    nq, dev = make(variant, hdr=hdr)
+    hs = nq.hdr_size
+    idx, lens = frames(nq, 4)
+    assert nq.tx.burst(idx, lens) == 4
+    ch = dev.poll()
+    assert ch.n == 4 and list(ch.nseg) == [nseg] * 4
+    assert nq.tx.vq.num_free == nq.size - 4 * ndesc
+    for k in range(4):
+        segs = ch.segments(k)
+        data = b"".join(nq.mem.table.read(a, n) for a, n, _ in segs)
+        assert data == bytes(hs) + bytes([k + 1]) * 60              # NET-06/07/08: zero header, then the frame
+        if hdr != "headroom":
+            assert segs[0][1] == hs                                   # the header in a segment of its own
+    c = nq.tx.counters()
+    assert c["hdr"] == hdr and (c["fast_path"], c["slow_path"]) == ((4, 0) if hdr == "headroom" else (0, 4))
+    nq.close()
+
+
+@pytest.mark.parametrize("hdr_init", ["burst", "packet"])
+def test_net_06_hdr_init_variants_clear_the_whole_header(variant, hdr_init):
+    nq, dev = make(variant, hdr_init=hdr_init)
+    hs = nq.hdr_size
+    for burst in range(3):
+        idx, lens = frames(nq, 5)
+        assert nq.tx.burst(idx, lens) == 5
+        ch = dev.poll()
+        for k in range(ch.n):
+            (addr, length, _), = ch.segments(k)
+            assert nq.mem.table.read(addr, hs) == bytes(hs)
+        dev.push_used(ch.id, np.zeros(ch.n))
+        dev.flush()
+        assert nq.tx.cleanup(0) == 5
+    assert nq.tx.counters()["hdr_init"] == hdr_init
+    nq.close()
+
+
+@pytest.mark.parametrize("doorbell, per_burst", [("burst", 1), ("packet", 6)])
+def test_evt_12_doorbell_variants(variant, doorbell, per_burst):
+    nq, dev = make(variant, doorbell=doorbell)
+    dev.enable_kicks(True)                        # a sleeping device: every publication may ask for a kick
+    idx, lens = frames(nq, 6)
+    assert nq.tx.burst(idx, lens) == 6
+    assert nq.tx.kicks == per_burst
+    assert dev.poll().n == 6                      # everything published, whatever the variant
+    dev.enable_kicks(False)                       # a polling device: no kicks at all (EVT-12 / EVT-24)
+    idx, lens = frames(nq, 6)
+    assert nq.tx.burst(idx, lens) == 6
+    assert nq.tx.kicks == per_burst
+    nq.close()
+
+
+def test_tx_variant_choices_are_checked(variant):
+    nq = NetQueues(variant & ~bit(VIRTIO_F_INDIRECT_DESC), size=64, nbufs=256)
+    try:
+        with pytest.raises(ConfigError, match="INDIRECT"):
+            TxQueue(nq.mem, variant & ~bit(VIRTIO_F_INDIRECT_DESC), hdr="indirect")
+        for kw in ({"hdr": "tail"}, {"hdr_init": "never"}, {"doorbell": "sometimes"}):
+            with pytest.raises(ConfigError, match="must be one of"):
+                TxQueue(nq.mem, variant, **kw)
+    finally:
+        nq.close()
