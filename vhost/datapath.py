@@ -28,8 +28,8 @@ STATS_FIELDS = tuple(name for name, _ in ffi.typeof("struct vh_stats").fields)
 
 #: Per-queue counters (vring 0 = the driver's Rx queue, vring 1 = its Tx queue) and the intermediate queue's.
 RXQ_FIELDS = ("rx_packets", "rx_bytes", "rx_buffers", "rx_dropped", "rx_too_big", "rx_runt_bufs",
-              "rx_retries", "rx_attempts", "rx_calls")
-TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls")
+              "rx_retries", "rx_attempts", "rx_calls", "rx_resubmitted")
+TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls", "tx_resubmitted")
 INTERMEDIATE_FIELDS = ("flush_threshold", "flush_rx_batch", "flush_timer", "flush_idle", "fwd_dropped",
                        "iterations", "busy_iterations", "busy_ns")
 
@@ -116,9 +116,11 @@ class _ChainsBuf:
 class Datapath:
     """The C loop over one Rx (vring 0) and one Tx (vring 1) DeviceQueue; either may be None (not served)."""
 
-    def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1):
+    def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1, tracking=(None, None)):
+        """``tracking``: the ``vhost.inflight.QueueTracking`` of each queue (INFLIGHT_SHMFD) or None."""
         self.options = options
         self.rxq, self.txq = rxq, txq
+        self.tracking = list(tracking)
         self.features = features
         n = self.n = ffi.new("struct vh_net *")
         sizes = [q.size for q in (rxq, txq) if q is not None] or [1]
@@ -131,6 +133,8 @@ class Datapath:
             n.txq = _cast_dev(txq)
             n.txc = self._txc.c
         n.rx_callfd, n.tx_callfd = rx_callfd, tx_callfd
+        n.rx_inf = self.tracking[0].c if rxq is not None and self.tracking[0] is not None else ffi.NULL
+        n.tx_inf = self.tracking[1].c if txq is not None and self.tracking[1] is not None else ffi.NULL
         n.hdr_len = hdr_len(features)
         n.mrg_rxbuf = has(features, VIRTIO_NET_F_MRG_RXBUF)
         n.burst = options.burst
@@ -194,7 +198,10 @@ class Datapath:
 
     def stats(self):
         st = self.n.st
-        return {name: int(getattr(st, name)) for name in STATS_FIELDS}
+        out = {name: int(getattr(st, name)) for name in STATS_FIELDS}
+        for side, t in zip(("rx", "tx"), self.tracking):   # chains taken again for a killed predecessor
+            out[f"{side}_resubmitted"] = int(t.c.resubmitted) if t is not None else 0
+        return out
 
     def set_hook(self, hook, ctx=ffi.NULL):
         """Tests: ``hook`` is a C function pointer (``lib.vh_test_hook``) called after each enqueue attempt."""

@@ -10,8 +10,15 @@ Used by ``vring driver`` (vring/cmd_driver.py), the interop tests and the benchm
 The loop runs Python once per burst. At the end Tx is drained (cleanup until nothing is in flight), Rx is
 drained for ``drain`` seconds (packets counted and freed), the vrings are stopped (SET_VRING_ENABLE 0,
 GET_VRING_BASE), and the counters are returned as a dict.
+
+Restarts (virtio/session.py): with ``reconnect`` (client) or ``server`` a backend that goes away is replaced:
+the driver keeps its rings and buffers, consumes what the old backend published, brings the next backend up
+at its own ring positions and goes on. Each step is an event (a JSON line on stderr: ``backend_gone``,
+``connected``, ``resumed``, ``traffic`` = the first packet received after a resume).
 """
+import json
 import os
+import sys
 import select
 import signal
 import socket
@@ -25,10 +32,11 @@ from rings.layout import feature_names
 
 from . import packets
 from ._net import ffi, lib
-from .frontend import VhostUserFrontend, want_features
+from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .net import NetQueues
+from .session import Session
 
 
 @dataclass
@@ -60,6 +68,9 @@ class DriverConfig:
     nbufs: int = 0
     buf_size: int = 2048      # pool buffer size (headroom 128 included); small buffers make Rx merge
     ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
+    reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
+    server: bool = False      # listen on socket; the backend connects (and reconnects)
+    inflight: bool = True     # negotiate INFLIGHT_SHMFD when offered
 
 
 def pin_all_threads(cpu):
@@ -81,6 +92,9 @@ def _eventfd_count(fd):
         return 0
 
 
+SEQ_MASK = 0xFFFFFFFF   # the sequence number; the upper half of the field counts laps (see _Loop._dedupe)
+
+
 class _Stop:
     def __init__(self):
         self.flag = False
@@ -97,14 +111,18 @@ def run(cfg: DriverConfig, on_ready=None):
         raise ValueError(f"unknown mode {cfg.mode!r}")
     want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
                          MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
-    fe = VhostUserFrontend(cfg.socket, timeout=cfg.timeout)
+    events = _event_printer() if cfg.reconnect or cfg.server else None
+    sess = Session(cfg.socket, want, server=cfg.server, reconnect=cfg.reconnect, timeout=cfg.timeout,
+                   inflight=cfg.inflight, events=events)
+    fe = sess.fe
     nq = ctl = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     result = {"config": asdict(cfg)}
     try:
-        fe.connect()
-        features = fe.negotiate(want)
+        sess.open()
+        features = sess.establish(time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf"),
+                                  lambda: stop.flag)
         segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
@@ -112,18 +130,20 @@ def run(cfg: DriverConfig, on_ready=None):
         nq.rx.fill()
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
-        fe.start(nq.mem, nq.layouts())
+        sess.start(nq)
         result.update(features=features, feature_names=feature_names(features), hdr_size=nq.hdr_size,
                       protocol_features=fe.protocol)
         if on_ready:
             on_ready()
-        loop = _Loop(cfg, nq, stop, fe.conn.sock)
+        loop = _Loop(cfg, nq, stop, sess)
         t0 = time.monotonic()
         loop.run()
         elapsed = time.monotonic() - t0
         loop.drain()
         result["elapsed_s"] = round(elapsed, 6)
-        result["vring_bases"] = fe.stop()
+        result["vring_bases"] = fe.stop() if fe.conn is not None else {}
+        result["connections"] = sess.connections
+        result["reconnects"] = loop.reconnects
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
         result.update(loop.summary(elapsed))
         result.update(nq.counters())
@@ -136,7 +156,7 @@ def run(cfg: DriverConfig, on_ready=None):
                 fe.stop()
         except Exception:
             pass
-        fe.close()
+        sess.close()
         if ctl is not None:
             ctl.close()
         if nq is not None:
@@ -165,11 +185,25 @@ def latency_summary(lat):
     return out
 
 
+def _event_printer():
+    """Restart events as JSON lines on stderr, stamped with CLOCK_MONOTONIC (comparable across processes)."""
+    def emit(name, **fields):
+        print(json.dumps({"event": name, "t": round(time.monotonic(), 6), **fields}), file=sys.stderr, flush=True)
+    return emit
+
+
 class _Loop:
-    def __init__(self, cfg, nq, stop, ctl=None):
+    def __init__(self, cfg, nq, stop, session=None):
         self.cfg, self.nq, self.stop = cfg, nq, stop
-        self.ctl = ctl                 # the vhost-user socket: watched for the backend going away
+        self.session = session         # its socket is watched for the backend going away
         self.next_watch = 0.0
+        self.reconnects = []           # one record per backend replaced
+        self.await_traffic = None      # (time resumed, rx packets then) until the first packet after a resume
+        self.final = None              # verify: copies of each sequence number received while draining
+        self.holding = bool(session is not None and session.reconnect)
+        self.backlog = []              # (idx, lens) that did not fit in the Tx ring (resilient runs)
+        self.laps = None               # resilient macfwd --verify: the current lap of each sequence number
+        self.duplicates = 0
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
         self.plen = len(self.tmpl)
         self.p_tmpl = ffi.cast("uint8_t *", ffi.from_buffer(self.tmpl))
@@ -189,6 +223,7 @@ class _Loop:
         self.bad = 0
         self.seen = None
         self.injected = 0
+        self.held_end = 0
         self.drained = 0
         self.tx_fail = 0
 
@@ -221,7 +256,7 @@ class _Loop:
         c = self.cfg
         self.bad += lib.vn_check(self.nq.pool.c, self.p_idx, self.p_lens, n, self.p_tmpl, self.plen,
                                  int(c.mode != "rxonly"), packets.SEQ_OFF, packets.TS_OFF, self.p_seqs)
-        s = self.seqs[:n]
+        s = self.seqs[:n] & SEQ_MASK
         if self.seen is not None:
             ok = s < len(self.seen)
             self.bad += int((~ok).sum())
@@ -235,6 +270,9 @@ class _Loop:
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
+                self.final = np.zeros(cfg.count, np.int64)
+                if self.holding:
+                    self.laps = np.zeros(cfg.count, np.uint32)
             left = cfg.count
             while left and not self.stop.flag:
                 k = self._gen(min(cfg.burst, left))
@@ -242,7 +280,109 @@ class _Loop:
                     break
                 self.injected += self._send_all(k, time.monotonic() + cfg.timeout)
                 left -= k
-        getattr(self, "_run_" + cfg.mode)(deadline)
+        while True:
+            try:
+                getattr(self, "_run_" + cfg.mode)(deadline)
+                return
+            except PeerGone as e:
+                if self.session is None or not self.session.reconnect:
+                    raise
+                self._resume_after(str(e), deadline)
+
+    # -- restarts
+
+    def _resume_after(self, why, deadline):
+        """The backend went away: wait for the next one (until deadline or stop), consume what the old one
+        published, start the rings at our own positions, then forward what was received meanwhile."""
+        s, nq = self.session, self.nq
+        t0 = time.monotonic()
+        s.lost(why)
+        s.establish(deadline, lambda: self.stop.flag)
+        nq.tx.cleanup(0)
+        held = []
+        while True:   # every used Rx entry, so that our used position is the device's
+            idx, lens = nq.rx.burst(self.cfg.burst)
+            if len(idx) == 0:
+                break
+            held.append((idx.copy(), lens.copy()))
+        s.start(nq)
+        t1 = time.monotonic()
+        rec = {"down_s": round(t1 - t0, 6), "held": sum(len(i) for i, _ in held)}
+        self.reconnects.append(rec)
+        s.events("resumed", **rec)
+        self.await_traffic = (t1, nq.rx.c.packets)
+        for idx, lens in held:
+            self._forward_held(idx, lens)
+
+    def _forward_held(self, idx, lens):
+        """Packets received while the backend was away: what the mode does with a received burst."""
+        n = len(idx)
+        self.idx[:n], self.lens[:n] = idx, lens
+        if self.cfg.mode == "macfwd":
+            self._forward(n)
+        else:
+            self._check(n)
+            lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
+
+    def _forward(self, n):
+        """macfwd of the burst in self.idx[:n] (the Python path): check, drop the copies a restart made, swap
+        MACs, send; what does not fit in the Tx ring is held (resilient runs) or dropped (tx dropped)."""
+        self._check(n)
+        if self.laps is not None:
+            n = self._dedupe(n)
+        if self.lat is not None:
+            lib.vn_lat_update(self.lat, self.nq.pool.c, self.p_idx, n)
+        lib.vn_macswap(self.nq.pool.c, self.p_idx, n)
+        sent = self.nq.tx.burst(self.idx[:n], self.lens[:n]) if n and self._send_backlog() else 0
+        if sent < n:
+            if self.holding:
+                self.backlog.append((self.idx[sent:n].copy(), self.lens[sent:n].copy()))
+            else:
+                self.nq.pool.free(self.idx[sent:n])
+                self.nq.tx.c.dropped += n - sent
+
+    def _send_backlog(self):
+        """Send held packets first, in order; True when none is left."""
+        while self.backlog:
+            idx, lens = self.backlog[0]
+            sent = self.nq.tx.burst(idx, lens)
+            if sent < len(idx):
+                self.backlog[0] = (idx[sent:], lens[sent:])
+                return False
+            self.backlog.pop(0)
+        return True
+
+    def _dedupe(self, n, advance=True):
+        """The upper 32 bits of a frame's sequence field count its laps (verify in resilient macfwd runs).
+        A frame whose lap is not the current one of its sequence number is a copy: a restarted backend took
+        again a chain its predecessor had already delivered. Copies are counted (``duplicates``) and freed;
+        with ``advance`` the others go on with the next lap written in. Returns the frames left in idx[:n]."""
+        pool, seqs = self.nq.pool, self.seqs[:n]
+        seq = (seqs & SEQ_MASK).astype(np.int64)
+        lap = (seqs >> 32).astype(np.uint32)
+        idx = self.idx[:n]
+        tracked = (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
+        keep = ~tracked | (lap == self.laps[np.where(tracked, seq, 0)])
+        first = np.zeros(n, bool)   # two current copies in one burst: the first one counts
+        _, at = np.unique(np.where(keep & tracked, seq, -1 - np.arange(n)), return_index=True)
+        first[at] = True
+        keep &= first
+        dups = n - int(keep.sum())
+        if dups:
+            self.duplicates += dups
+            pool.free(idx[~keep])
+            m = n - dups
+            self.idx[:m], self.lens[:m], self.seqs[:m] = idx[keep], self.lens[:n][keep], seqs[keep]
+            n = m
+        if advance and n:
+            idx, seq = self.idx[:n], (self.seqs[:n] & SEQ_MASK).astype(np.int64)
+            tracked = (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
+            seq, idx = seq[tracked], idx[tracked]
+            self.laps[seq] += 1
+            at = idx.astype(np.int64) * pool.buf_size + pool.data_off[idx] + packets.SEQ_OFF + 4
+            for k in range(4):
+                pool.mem[at + k] = (self.laps[seq] >> (8 * k)) & 0xFF
+        return n
 
     def _run_macfwd(self, deadline):
         rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
@@ -257,17 +397,12 @@ class _Loop:
                 if n < 0:
                     self.nq.rx.vq._fail()
                 if n == 0:
-                    if self.cfg.wait:
+                    if self.backlog:
+                        self._send_backlog()
+                    elif self.cfg.wait:
                         self.nq.rx.wait(0.1)
                     continue
-                self._check(n)
-                if self.lat is not None:
-                    lib.vn_lat_update(self.lat, self.nq.pool.c, p_idx, n)
-                lib.vn_macswap(self.nq.pool.c, p_idx, n)
-                sent = self.nq.tx.burst(self.idx[:n], self.lens[:n])
-                if sent < n:
-                    self.nq.pool.free(self.idx[sent:n])
-                    tx.dropped += n - sent
+                self._forward(n)
             return
         spin, loop, done = self.cfg.spin, lib.vn_fwd_loop, self._done
         while not done(deadline):
@@ -281,12 +416,17 @@ class _Loop:
         t = time.monotonic()
         if t >= deadline:
             return True
-        if self.ctl is not None and t >= self.next_watch:
+        if self.await_traffic is not None and self.nq.rx.c.packets > self.await_traffic[1]:
+            self.session.events("traffic", after_s=round(t - self.await_traffic[0], 6))
+            self.reconnects[-1]["traffic_s"] = round(t - self.await_traffic[0], 6)
+            self.await_traffic = None
+        sock = self.session.sock if self.session is not None else None
+        if sock is not None and t >= self.next_watch:
             self.next_watch = t + 0.1
-            r, _, _ = select.select([self.ctl], [], [], 0)
+            r, _, _ = select.select([sock], [], [], 0)
             if r:
                 try:
-                    data = self.ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     data = None
                 except OSError:
@@ -347,9 +487,14 @@ class _Loop:
         tx = nq.tx
         tx.flush()
         end = time.monotonic() + max(cfg.drain, 0.05) + 1.0
-        while tx.inflight and time.monotonic() < end:
+        while (tx.inflight or self.backlog) and time.monotonic() < end:
+            self._send_backlog()
             tx.cleanup(0)
             self._drain_rx()
+        self.held_end = sum(len(i) for i, _ in self.backlog)   # never sent: the backend did not come back
+        for idx, _ in self.backlog:
+            nq.pool.free(idx)
+        self.backlog = []
         end = time.monotonic() + cfg.drain
         while time.monotonic() < end:
             if not self._drain_rx():
@@ -361,6 +506,12 @@ class _Loop:
             self.nq.rx.vq._fail()
         if n:
             self._check(n)
+            if self.laps is not None:
+                n = self._dedupe(n, advance=False)
+            if self.final is not None:
+                s = (self.seqs[:n] & SEQ_MASK).astype(np.int64)
+                ok = s < len(self.final)
+                np.add.at(self.final, s[ok].astype(np.int64), 1)
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n
@@ -377,4 +528,12 @@ class _Loop:
             if self.seen is not None:
                 out["verify"].update(missing=int((self.seen == 0).sum()), max_seen=int(self.seen.max(initial=0)),
                                      min_seen=int(self.seen.min()) if len(self.seen) else 0)
+            if self.final is not None:   # what came back while draining: the population at the end
+                present = int((self.final > 0).sum())
+                copies = int(self.final.sum())
+                out["verify"]["population"] = {"copies": copies, "present": present,
+                                               "absent": len(self.final) - present, "extra": copies - present,
+                                               "tx_inflight": int(nq.tx.inflight), "held": self.held_end}
+            if self.laps is not None:
+                out["verify"]["duplicates"] = self.duplicates
         return out

@@ -11,7 +11,15 @@ from virtio.app import DriverConfig, run
 def register(sub):
     p = sub.add_parser("driver", help="run the virtio-net driver (vhost-user frontend) against a backend",
                        description=__doc__)
-    p.add_argument("--socket", required=True, help="the backend's vhost-user socket")
+    p.add_argument("--socket", required=True, help="the backend's vhost-user socket (with --server: ours)")
+    p.add_argument("--reconnect", action="store_true",
+                   help="when the backend goes away keep rings and buffers, connect again (backoff, bounded by "
+                        "--seconds) and resume at our ring positions; events as JSON lines on stderr")
+    p.add_argument("--server", action="store_true",
+                   help="listen on --socket (mode 0600); the backend connects (vring vhost --client, DPDK "
+                        "net_vhost client=1) and may reconnect, as DPDK virtio_user server=1")
+    p.add_argument("--no-inflight", dest="inflight", action="store_false",
+                   help="do not negotiate VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD (inflight tracking)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--packed", dest="packed", action="store_true", help="packed virtqueues")
     g.add_argument("--split", dest="packed", action="store_false", help="split virtqueues (default)")
@@ -67,7 +75,7 @@ def main(args):
         burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
-        ctl=args.ctl)
+        ctl=args.ctl, reconnect=args.reconnect, server=args.server, inflight=args.inflight)
     rawdump.set_snapshot_dir(args.snapshot_dir)
     try:
         res = run(cfg)

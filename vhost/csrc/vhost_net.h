@@ -11,6 +11,7 @@
 
 #include "virtq.h"
 #include "vhost_net_types.h"
+#include "vhost_inflight.h"
 
 enum { VH_FWD_MACSWAP = 0, VH_FWD_IO = 1, VH_FWD_RXONLY = 2 };
 enum { VH_FLUSH_RX_BATCH = 0, VH_FLUSH_TIMER = 1, VH_FLUSH_THRESHOLD = 2 };
@@ -86,7 +87,9 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     uint32_t room = n->pkt_cap - n->npkts, max = n->burst < room ? n->burst : room;
     if (!q || max == 0)
         return 0;
-    int got = vq_dev_poll(q, c, max);
+    c->n = 0;
+    c->nsegs = 0;
+    int got = vhi_poll(q, c, max, n->tx_inf);
     if (got < 0) {
         n->broken |= VH_BROKEN_TX;
         n->txq = 0;
@@ -131,7 +134,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         }
         if (n->per_buffer) {
             vq_dev_push_used(q, &n->ids[k], &n->lens[k], 1);
-            vq_dev_flush(q);
+            vhi_flush(q, n->tx_inf);
         }
     }
     if (!n->per_buffer)
@@ -153,7 +156,7 @@ static inline void vh_tx_complete(struct vh_net *n)
     n->tx_unflushed = 0;
     if (!n->txq)
         return;
-    vq_dev_flush(n->txq);
+    vhi_flush(n->txq, n->tx_inf);
     vh_notify(n->txq, n->tx_callfd, &n->st.tx_calls);
 }
 
@@ -207,8 +210,7 @@ static inline int vh_rx_refill(struct vh_net *n, uint32_t want)
     uint32_t max = c->n + want;
     if (max > c->cap_chains)
         max = c->cap_chains;
-    /* vq_dev_poll_* append after c->n / c->nsegs (vq_dev_poll would reset them) */
-    int r = q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
+    int r = vhi_poll(q, c, max, n->rx_inf);   /* appends after c->n / c->nsegs */
     if (r < 0) {
         n->broken |= VH_BROKEN_RX;
         n->rxq = 0;
@@ -349,7 +351,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         bytes += plen;
         if (n->per_buffer) {   /* all buffers of one packet are published together (NET-31) */
             vq_dev_push_used(q, n->ids, n->lens, m);
-            vq_dev_flush(q);
+            vhi_flush(q, n->rx_inf);
             n->st.rx_buffers += m;
             m = 0;
         }
@@ -358,7 +360,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         vq_dev_push_used(q, n->ids, n->lens, m);
         n->st.rx_buffers += m;
     }
-    vq_dev_flush(q);
+    vhi_flush(q, n->rx_inf);
     n->st.rx_packets += dl;
     n->st.rx_bytes += bytes;
     *delivered = dl;
