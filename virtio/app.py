@@ -287,7 +287,13 @@ class _Loop:
             except PeerGone as e:
                 if self.session is None or not self.session.reconnect:
                     raise
-                self._resume_after(str(e), deadline)
+                try:
+                    self._resume_after(str(e), deadline)
+                except PeerGone:   # time is up (or stop asked) with no backend: the run ends here
+                    if not (self.stop.flag or time.monotonic() >= deadline):
+                        raise
+                    self.session.events("ended_without_backend")
+                    return
 
     # -- restarts
 
