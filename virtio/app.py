@@ -203,6 +203,7 @@ class _Loop:
         self.holding = bool(session is not None and session.reconnect)
         self.backlog = []              # (idx, lens) that did not fit in the Tx ring (resilient runs)
         self.laps = None               # resilient macfwd --verify: the current lap of each sequence number
+        self.last_seen = None          # ... and when it was last received (a frame lost is put on a restart)
         self.duplicates = 0
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
         self.plen = len(self.tmpl)
@@ -261,6 +262,8 @@ class _Loop:
             ok = s < len(self.seen)
             self.bad += int((~ok).sum())
             np.add.at(self.seen, s[ok].astype(np.int64), 1)
+            if self.last_seen is not None:
+                self.last_seen[s[ok].astype(np.int64)] = time.monotonic()
 
     # -- loops
 
@@ -273,6 +276,7 @@ class _Loop:
                 self.final = np.zeros(cfg.count, np.int64)
                 if self.holding:
                     self.laps = np.zeros(cfg.count, np.uint32)
+                    self.last_seen = np.zeros(cfg.count)
             left = cfg.count
             while left and not self.stop.flag:
                 k = self._gen(min(cfg.burst, left))
@@ -302,6 +306,7 @@ class _Loop:
         published, start the rings at our own positions, then forward what was received meanwhile."""
         s, nq = self.session, self.nq
         t0 = time.monotonic()
+        self.reconnects.append({"gone_t": round(t0, 6)})
         s.lost(why)
         s.establish(deadline, lambda: self.stop.flag)
         nq.tx.cleanup(0)
@@ -314,7 +319,7 @@ class _Loop:
         s.start(nq)
         t1 = time.monotonic()
         rec = {"down_s": round(t1 - t0, 6), "held": sum(len(i) for i, _ in held)}
-        self.reconnects.append(rec)
+        self.reconnects[-1].update(rec)
         s.events("resumed", **rec)
         self.await_traffic = (t1, nq.rx.c.packets)
         for idx, lens in held:
@@ -376,6 +381,8 @@ class _Loop:
         dups = n - int(keep.sum())
         if dups:
             self.duplicates += dups
+            if self.reconnects:
+                self.reconnects[-1]["duplicates"] = self.reconnects[-1].get("duplicates", 0) + dups
             pool.free(idx[~keep])
             m = n - dups
             self.idx[:m], self.lens[:m], self.seqs[:m] = idx[keep], self.lens[:n][keep], seqs[keep]
@@ -542,4 +549,13 @@ class _Loop:
                                                "tx_inflight": int(nq.tx.inflight), "held": self.held_end}
             if self.laps is not None:
                 out["verify"]["duplicates"] = self.duplicates
+                # a frame absent at the end went missing at the first restart after it was last seen
+                gone = [r["gone_t"] for r in self.reconnects]
+                for r in self.reconnects:
+                    r.setdefault("lost", 0)
+                    r.setdefault("duplicates", 0)
+                for seq in np.flatnonzero(self.final == 0):
+                    k = int(np.searchsorted(gone, self.last_seen[seq]))
+                    if k < len(self.reconnects):
+                        self.reconnects[k]["lost"] += 1
         return out

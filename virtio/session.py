@@ -28,7 +28,7 @@ from rings.errors import ConfigError, FeatureRefused, PeerGone, ProtocolError, P
 from .frontend import VhostUserFrontend
 
 BACKOFF_MIN = 0.01
-BACKOFF_MAX = 0.2    # a relaunched backend is found within this of listening
+BACKOFF_MAX = 0.05   # a relaunched backend is found within this of listening (a refused connect is cheap)
 
 
 class Session:
