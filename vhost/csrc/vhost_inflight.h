@@ -22,6 +22,8 @@
 #include "virtq.h"   /* and vhost_net_types.h before this file (it has no include guard: cffi reads it) */
 
 #define VHI_STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
+#define VHI_HOOK static inline __attribute__((always_inline))   /* at the call sites: one NULL test when off */
+#define VHI_TRACKED static __attribute__((noinline))             /* out of line: leaves the loops as they were */
 
 /* Chains k0..c->n-1 of c were just taken (split: their heads index the area). */
 static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0)
@@ -132,12 +134,8 @@ static inline int vhi_replay(struct vh_inflight *f, struct vq_device *q, struct 
     return 0;
 }
 
-/* Poll up to max chains, appending to c; with tracking, the resubmit list goes first and what is taken is
- * recorded. Returns c->n, or -1 (broken). */
-static inline int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f)
+VHI_TRACKED int vhi_poll_tracked(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f)
 {
-    if (!f)
-        return q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
     if (f->resubmit_pos < f->nresubmit) {
         if (vhi_replay(f, q, c, max) < 0)
             return -1;
@@ -156,14 +154,20 @@ static inline int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t ma
     return r;
 }
 
-/* Publish the shadow used entries (vq_dev_flush), recording the completions around it. */
-static inline void vhi_flush(struct vq_device *q, struct vh_inflight *f)
+/* Poll up to max chains, appending to c; with tracking, the resubmit list goes first and what is taken is
+ * recorded. Returns c->n, or -1 (broken). */
+VHI_HOOK int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f)
+{
+    if (!f)
+        return q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
+    return vhi_poll_tracked(q, c, max, f);
+}
+
+VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
 {
     uint32_t n = q->shadow_count;
-    if (!f || n == 0) {
-        vq_dev_flush(q);
+    if (n == 0)
         return;
-    }
     if (f->packed) {
         struct vhi_region_packed *r = (struct vhi_region_packed *)f->region;
         uint16_t size = f->size;
@@ -207,6 +211,15 @@ static inline void vhi_flush(struct vq_device *q, struct vh_inflight *f)
         VHI_STORE(r->used_idx, q->used_idx);
     }
     f->completed += n;
+}
+
+/* Publish the shadow used entries (vq_dev_flush), recording the completions around it. */
+VHI_HOOK void vhi_flush(struct vq_device *q, struct vh_inflight *f)
+{
+    if (!f)
+        vq_dev_flush(q);
+    else
+        vhi_flush_tracked(q, f);
 }
 
 #endif
