@@ -11,6 +11,7 @@ with INFLIGHT_SHMFD, the inflight area's fd (GET_INFLIGHT_FD once, SET_INFLIGHT_
 memory table and before the vrings); ``disconnect()`` drops only the socket, and ``start()`` takes the vring
 bases from the driver's own ring state.
 """
+import collections
 import os
 
 from rings import vhost_user as vu
@@ -69,7 +70,7 @@ class VhostUserFrontend:
         self.callfds = [None, None]
         self.started = False
         self.vring_bases = {}
-        self.log = []   # (request name, detail) of every request sent, for debugging
+        self.log = collections.deque(maxlen=256)   # (request name, detail) of the last requests sent, for debugging
 
     # ------------------------------------------------------------------ plumbing
 

@@ -335,6 +335,7 @@ def dts_net_vhost_client(packed, in_order, mrg_rxbuf, kills=2, settle=0.5):
     return {"case": "vring driver --server + net_vhost client=1", "packed": packed, "in_order": in_order,
             "mrg_rxbuf": mrg_rxbuf, "rows": rows, "connections": res["connections"],
             "driver_errors": res["rx"]["errors"] + res["tx"]["errors"],
+            "driver": {"rx": res["rx"], "tx": res["tx"], "reconnects": res["reconnects"]},
             "resumed": all(r["rx_packets"] > 0 for r in rows) and res["connections"] == kills + 1}
 
 
