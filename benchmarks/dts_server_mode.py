@@ -31,7 +31,7 @@ def main():
     if dpdk.skip_reason():
         sys.exit(dpdk.skip_reason())
     results, ok = [], True
-    print(f"{'case':45s} {'ring':7s} {'order':8s} {'mrg':4s} {'resume_s per relaunch':28s} {"rx pkts/1s":>14s} ok")
+    print(f"{'case':45s} {'ring':7s} {'order':8s} {'mrg':4s} {'resume_s per relaunch':28s} {'rx pkts/1s':>14s} ok")
     for fn, (packed, in_order, mrg) in itertools.product((dts_virtio_user_server, dts_net_vhost_client),
                                                           itertools.product((0, 1), repeat=3)):
         r = fn(bool(packed), bool(in_order), bool(mrg), kills=a.kills, settle=1.0)
