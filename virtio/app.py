@@ -35,6 +35,7 @@ from ._net import ffi, lib
 from .frontend import want_features
 from rings.ctl import ControlServer
 
+from .ledger import SEQ_MASK, Ledger
 from .net import NetQueues
 from .session import Session
 
@@ -90,9 +91,6 @@ def _eventfd_count(fd):
         return os.eventfd_read(fd)
     except BlockingIOError:
         return 0
-
-
-SEQ_MASK = 0xFFFFFFFF   # the sequence number; the upper half of the field counts laps (see _Loop._dedupe)
 
 
 class _Stop:
@@ -199,12 +197,9 @@ class _Loop:
         self.next_watch = 0.0
         self.reconnects = []           # one record per backend replaced
         self.await_traffic = None      # (time resumed, rx packets then) until the first packet after a resume
-        self.final = None              # verify: copies of each sequence number received while draining
         self.holding = bool(session is not None and session.reconnect)
         self.backlog = []              # (idx, lens) that did not fit in the Tx ring (resilient runs)
-        self.laps = None               # resilient macfwd --verify: the current lap of each sequence number
-        self.last_seen = None          # ... and when it was last received (a frame lost is put on a restart)
-        self.duplicates = 0
+        self.ledger = None             # resilient macfwd --verify: laps, duplicates, the population at the end
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
         self.plen = len(self.tmpl)
         self.p_tmpl = ffi.cast("uint8_t *", ffi.from_buffer(self.tmpl))
@@ -262,8 +257,6 @@ class _Loop:
             ok = s < len(self.seen)
             self.bad += int((~ok).sum())
             np.add.at(self.seen, s[ok].astype(np.int64), 1)
-            if self.last_seen is not None:
-                self.last_seen[s[ok].astype(np.int64)] = time.monotonic()
 
     # -- loops
 
@@ -273,10 +266,8 @@ class _Loop:
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
-                self.final = np.zeros(cfg.count, np.int64)
                 if self.holding:
-                    self.laps = np.zeros(cfg.count, np.uint32)
-                    self.last_seen = np.zeros(cfg.count)
+                    self.ledger = Ledger(cfg.count)
             left = cfg.count
             while left and not self.stop.flag:
                 k = self._gen(min(cfg.burst, left))
@@ -302,26 +293,12 @@ class _Loop:
     # -- restarts
 
     def _resume_after(self, why, deadline):
-        """The backend went away: wait for the next one (until deadline or stop), consume what the old one
-        published, start the rings at our own positions, then forward what was received meanwhile."""
-        s, nq = self.session, self.nq
-        t0 = time.monotonic()
-        self.reconnects.append({"gone_t": round(t0, 6)})
-        s.lost(why)
-        s.establish(deadline, lambda: self.stop.flag)
-        nq.tx.cleanup(0)
-        held = []
-        while True:   # every used Rx entry, so that our used position is the device's
-            idx, lens = nq.rx.burst(self.cfg.burst)
-            if len(idx) == 0:
-                break
-            held.append((idx.copy(), lens.copy()))
-        s.start(nq)
-        t1 = time.monotonic()
-        rec = {"down_s": round(t1 - t0, 6), "held": sum(len(i) for i, _ in held)}
-        self.reconnects[-1].update(rec)
-        s.events("resumed", **rec)
-        self.await_traffic = (t1, nq.rx.c.packets)
+        """The backend went away: the session brings the next one up at our ring positions; then forward
+        what was received meanwhile."""
+        rec = {"gone_t": round(time.monotonic(), 6)}
+        self.reconnects.append(rec)
+        held = self.session.replace_backend(self.nq, why, deadline, lambda: self.stop.flag, self.cfg.burst, rec)
+        self.await_traffic = (time.monotonic(), self.nq.rx.c.packets)
         for idx, lens in held:
             self._forward_held(idx, lens)
 
@@ -339,8 +316,9 @@ class _Loop:
         """macfwd of the burst in self.idx[:n] (the Python path): check, drop the copies a restart made, swap
         MACs, send; what does not fit in the Tx ring is held (resilient runs) or dropped (tx dropped)."""
         self._check(n)
-        if self.laps is not None:
-            n = self._dedupe(n)
+        if self.ledger is not None:
+            n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n,
+                                   restart=self.reconnects[-1] if self.reconnects else None)
         if self.lat is not None:
             lib.vn_lat_update(self.lat, self.nq.pool.c, self.p_idx, n)
         lib.vn_macswap(self.nq.pool.c, self.p_idx, n)
@@ -362,40 +340,6 @@ class _Loop:
                 return False
             self.backlog.pop(0)
         return True
-
-    def _dedupe(self, n, advance=True):
-        """The upper 32 bits of a frame's sequence field count its laps (verify in resilient macfwd runs).
-        A frame whose lap is not the current one of its sequence number is a copy: a restarted backend took
-        again a chain its predecessor had already delivered. Copies are counted (``duplicates``) and freed;
-        with ``advance`` the others go on with the next lap written in. Returns the frames left in idx[:n]."""
-        pool, seqs = self.nq.pool, self.seqs[:n]
-        seq = (seqs & SEQ_MASK).astype(np.int64)
-        lap = (seqs >> 32).astype(np.uint32)
-        idx = self.idx[:n]
-        tracked = (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
-        keep = ~tracked | (lap == self.laps[np.where(tracked, seq, 0)])
-        first = np.zeros(n, bool)   # two current copies in one burst: the first one counts
-        _, at = np.unique(np.where(keep & tracked, seq, -1 - np.arange(n)), return_index=True)
-        first[at] = True
-        keep &= first
-        dups = n - int(keep.sum())
-        if dups:
-            self.duplicates += dups
-            if self.reconnects:
-                self.reconnects[-1]["duplicates"] = self.reconnects[-1].get("duplicates", 0) + dups
-            pool.free(idx[~keep])
-            m = n - dups
-            self.idx[:m], self.lens[:m], self.seqs[:m] = idx[keep], self.lens[:n][keep], seqs[keep]
-            n = m
-        if advance and n:
-            idx, seq = self.idx[:n], (self.seqs[:n] & SEQ_MASK).astype(np.int64)
-            tracked = (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
-            seq, idx = seq[tracked], idx[tracked]
-            self.laps[seq] += 1
-            at = idx.astype(np.int64) * pool.buf_size + pool.data_off[idx] + packets.SEQ_OFF + 4
-            for k in range(4):
-                pool.mem[at + k] = (self.laps[seq] >> (8 * k)) & 0xFF
-        return n
 
     def _run_macfwd(self, deadline):
         rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
@@ -519,12 +463,9 @@ class _Loop:
             self.nq.rx.vq._fail()
         if n:
             self._check(n)
-            if self.laps is not None:
-                n = self._dedupe(n, advance=False)
-            if self.final is not None:
-                s = (self.seqs[:n] & SEQ_MASK).astype(np.int64)
-                ok = s < len(self.final)
-                np.add.at(self.final, s[ok].astype(np.int64), 1)
+            if self.ledger is not None:   # what came back at the end (copies counted, not kept)
+                n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n, advance=False)
+                self.ledger.count_final(self.seqs, n)
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n
@@ -541,21 +482,6 @@ class _Loop:
             if self.seen is not None:
                 out["verify"].update(missing=int((self.seen == 0).sum()), max_seen=int(self.seen.max(initial=0)),
                                      min_seen=int(self.seen.min()) if len(self.seen) else 0)
-            if self.final is not None:   # what came back while draining: the population at the end
-                present = int((self.final > 0).sum())
-                copies = int(self.final.sum())
-                out["verify"]["population"] = {"copies": copies, "present": present,
-                                               "absent": len(self.final) - present, "extra": copies - present,
-                                               "tx_inflight": int(nq.tx.inflight), "held": self.held_end}
-            if self.laps is not None:
-                out["verify"]["duplicates"] = self.duplicates
-                # a frame absent at the end went missing at the first restart after it was last seen
-                gone = [r["gone_t"] for r in self.reconnects]
-                for r in self.reconnects:
-                    r.setdefault("lost", 0)
-                    r.setdefault("duplicates", 0)
-                for seq in np.flatnonzero(self.final == 0):
-                    k = int(np.searchsorted(gone, self.last_seen[seq]))
-                    if k < len(self.reconnects):
-                        self.reconnects[k]["lost"] += 1
+            if self.ledger is not None:
+                out["verify"].update(self.ledger.summary(self.reconnects, int(nq.tx.inflight), self.held_end))
         return out

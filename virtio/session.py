@@ -112,6 +112,26 @@ class Session:
         self.fe.get_inflight(nq.size)
         self.fe.start(nq.mem, nq.layouts(), bases=own_bases(nq))
 
+    def replace_backend(self, nq, why, deadline, stop, burst, record):
+        """The backend went away: wait for the next one (until ``deadline`` or ``stop()``: PeerGone), consume what
+        the old one published (Tx cleanup; every used Rx entry, so that our used position is the device's) and
+        start the rings at our positions. Returns the Rx bursts received meanwhile, [(idx, lens)], for the
+        caller to handle; ``record`` gets ``down_s`` and ``held``."""
+        t0 = time.monotonic()
+        self.lost(why)
+        self.establish(deadline, stop)
+        nq.tx.cleanup(0)
+        held = []
+        while True:
+            idx, lens = nq.rx.burst(burst)
+            if len(idx) == 0:
+                break
+            held.append((idx.copy(), lens.copy()))
+        self.start(nq)
+        record.update(down_s=round(time.monotonic() - t0, 6), held=sum(len(i) for i, _ in held))
+        self.events("resumed", down_s=record["down_s"], held=record["held"])
+        return held
+
     def lost(self, reason):
         """The backend went away: drop the connection, keep everything else."""
         self.fe.disconnect()
