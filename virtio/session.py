@@ -13,8 +13,11 @@ once), starts the rings at the driver's own positions (``start``) and, when the 
 
 Vring bases come from the driver's own state, after everything the old backend published has been consumed:
 split: the used index (== used->idx in memory; a backend resumes taking avail entries there, plus what the
-inflight area says it had taken); packed: the used slot | used wrap counter << 15 (the slots from there on
-hold the descriptors still in flight, marked available).
+inflight area says it had taken); packed with the inflight area: the used slot | used wrap counter << 15 (the
+successor takes the chains in flight again from the area's copies). Packed without it (DPDK net_vhost), the
+ring is laid out afresh and the packets in flight are sent again (``NetQueues.reset_rings``): the old device
+may have left used descriptors it never published (a batch without its head's flags), which no successor
+could get past.
 """
 from __future__ import annotations
 
@@ -127,9 +130,18 @@ class Session:
             if len(idx) == 0:
                 break
             held.append((idx.copy(), lens.copy()))
+        resend = None
+        if nq.fmt == "packed" and not self.fe.has_inflight:   # see DriverQueue.reset
+            resend = nq.reset_rings()
+            record.update(ring_reset=True, resent=len(resend[0]), partial_dropped=resend[2])
         self.start(nq)
+        if resend is not None and len(resend[0]):
+            sent = nq.tx.burst(resend[0], resend[1])
+            if sent < len(resend[0]):   # cannot happen: they were in this ring a moment ago
+                nq.pool.free(resend[0][sent:])
+                nq.tx.c.dropped += len(resend[0]) - sent
         record.update(down_s=round(time.monotonic() - t0, 6), held=sum(len(i) for i, _ in held))
-        self.events("resumed", down_s=record["down_s"], held=record["held"])
+        self.events("resumed", **{k: v for k, v in record.items() if k != "gone_t"})
         return held
 
     def lost(self, reason):

@@ -309,8 +309,10 @@ def dts_net_vhost_client(packed, in_order, mrg_rxbuf, kills=2, settle=0.5):
     try:
         for k in range(kills + 1):
             t0 = time.monotonic()
-            tp = dpdk.Testpmd.vhost(sock, client=True, fwd="mac", tx_first=True, fwd_cpu=tp_cpu)
+            tp = dpdk.Testpmd.vhost(sock, client=True, fwd="mac", tx_first=True, fwd_cpu=tp_cpu, autostart=False)
             tp.start(60)
+            tp.wait_link_up(timeout=30, poll=0.05)   # our driver has set the device up: the burst is not lost
+            tp.start_forwarding()                    # start tx_first
             ev = drv.wait_event("traffic" if k else "connected", after=t0, timeout=10)
             moved = _wait_rx(tp, 0)
             resume = round(time.monotonic() - t0, 3) if moved is not None else None
