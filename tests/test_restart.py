@@ -1,7 +1,7 @@
 """Restarts without loss, two processes: `vring driver --reconnect` / `--server` against `vring vhost`.
 
-* A backend killed inside its data path (tests/crashing_vhost.py: right after it delivered a burst into the
-  driver's Rx ring and before it completed the Tx chains those packets came from) is relaunched: its
+* A backend killed inside its data path (`vring vhost --crash-after N`: right after it delivered a burst into
+  the driver's Rx ring and before it completed the Tx chains those packets came from) is relaunched: its
   successor takes those chains again (inflight area), the driver resumes at its own ring positions, traffic
   is back within 1 s, every injected frame is there at the end exactly once, and the copies the restart made
   are counted (``duplicates``) and equal to what the successor re-took; no ring error anywhere.
@@ -64,7 +64,7 @@ def _wait_socket(path, timeout=10.0):
 def test_kill9_inside_a_burst_loses_nothing(tmp_path, packed, in_order):
     sock = str(tmp_path / "vh.sock")
     be_cpu, drv_cpu = _cpus()
-    crash = subprocess.Popen([sys.executable, os.path.join(HERE, "crashing_vhost.py"), "50", "--socket", sock,
+    crash = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--crash-after", "50", "--socket", sock,
                               "--pin", str(be_cpu)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
     try:
         _wait_socket(sock)

@@ -47,6 +47,7 @@ class Options:
     fwd: str = "macswap"              # 'macswap' | 'io' | 'rxonly'
     pkt_size: int = 2048              # bytes per backend packet buffer (larger packets are dropped)
     timing: bool = False              # count busy_ns: the time of iterations that moved packets
+    crash_after: int = 0              # fault injection: exit abruptly after N enqueues that delivered packets
 
     def __post_init__(self):
         if not 1 <= self.burst <= 1024:
@@ -59,6 +60,8 @@ class Options:
             raise ConfigError(f"txq threshold must be 1..4096, not {self.txq_threshold}")
         if self.fwd not in FWD_MODES:
             raise ConfigError(f"forwarding mode must be one of {tuple(FWD_MODES)}, not {self.fwd!r}")
+        if not 0 <= self.crash_after < 2**32:
+            raise ConfigError(f"crash-after must be 0..2^32-1, not {self.crash_after}")
         if not 64 <= self.pkt_size <= 65536:
             raise ConfigError(f"packet buffer size must be 64..65536, not {self.pkt_size}")
         self.flush_mode()
@@ -144,6 +147,7 @@ class Datapath:
         n.threshold = options.txq_threshold
         n.flush_mode, n.timer_ns = options.flush_mode()
         n.timing = options.timing
+        n.crash_after = options.crash_after
         cap = options.txq_threshold + options.burst
         self._pkt_data = np.zeros(cap * options.pkt_size, np.uint8)
         self._pkt_len = np.zeros(cap, np.uint32)

@@ -117,7 +117,7 @@ class Driver:
 
 
 def _backend(sock, be_cpu, extra=()):
-    return VhostProcess(sock, "--fwd", "macswap", "--stats-interval", "0.2", *extra, pin=be_cpu)
+    return VhostProcess(sock, "--fwd", "macswap", "--stats-interval", "0.2", *map(str, extra), pin=be_cpu)
 
 
 def _stats_lines(be):
@@ -155,9 +155,11 @@ def _dropped(st):
             "tx_oversize": txq["tx_oversize"], "fwd_dropped": im["fwd_dropped"]}
 
 
-def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, progress=None):
+def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, progress=None, driver_args=(),
+              mid_burst=False):
     """``kills`` kill -9 of the backend under a resilient driver; returns a dict with the per-kill table and
-    the end-of-run accounting."""
+    the end-of-run accounting. ``mid_burst``: every other backend is started with ``--crash-after`` (20-300)
+    and dies by itself inside a burst (a random kill mostly finds the backend idle between bursts)."""
     rng = random.Random(seed)
     be_cpu, drv_cpu = cpus()
     tmp = tempfile.mkdtemp(prefix="vring-kill9-")
@@ -168,20 +170,30 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
     try:
         be.wait_socket()
         drv = Driver(sock, "--reconnect", "--verify", "--mode", "macfwd", "--count", count,
-                     *path_args(packed, in_order), pin=drv_cpu)
+                     *path_args(packed, in_order), *driver_args, pin=drv_cpu)
         if drv.wait_event("connected") is None:
             raise RuntimeError(f"driver did not connect: {''.join(drv.other)[-2000:]}")
+        crasher = False
         for k in range(kills):
-            time.sleep(rng.uniform(*run_s))
+            if crasher:   # dies by itself, mid-burst; a kill -9 if it has not within 10 s
+                try:
+                    be.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    crasher = False
+            else:
+                time.sleep(rng.uniform(*run_s))
+            how = "crash mid-burst" if crasher else "kill -9"
             last = _kill9(be)
             for key, v in _dropped(last).items():
                 backends_dropped[key] = backends_dropped.get(key, 0) + v
             if rows:   # the backend just killed was the successor of the previous kill
                 rows[-1]["resubmitted"] = _resubmitted(last)
             t_launch = time.monotonic()
-            be = _backend(sock, be_cpu)
+            crasher = mid_burst and k % 2 == 0 and k + 1 < kills
+            be = _backend(sock, be_cpu, ("--crash-after", rng.randint(20, 300)) if crasher else ())
             ev = drv.wait_event("traffic", after=t_launch, timeout=10)
-            row = {"kill": k + 1, "resume_s": round(ev["t"] - t_launch, 3) if ev else None, "resubmitted": None}
+            row = {"kill": k + 1, "how": how, "resume_s": round(ev["t"] - t_launch, 3) if ev else None,
+                   "resubmitted": None}
             rows.append(row)
             if progress:
                 progress(row)
@@ -224,9 +236,10 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
 def print_kill_table(r, out=sys.stdout):
     print(f"\n== {r['path']}: {r['kills']} x kill -9 of vring vhost, {r['injected']} frames injected (macfwd)",
           file=out)
-    print(f"{'kill':>4} {'resume_s':>9} {'down_s':>7} {'lost':>5} {'duplicated':>10} {'re-taken':>9}", file=out)
+    print(f"{'kill':>4} {'how':15s} {'resume_s':>9} {'down_s':>7} {'lost':>5} {'duplicated':>10} {'re-taken':>9}",
+          file=out)
     for row in r["rows"]:
-        print(f"{row['kill']:>4} {row['resume_s'] if row['resume_s'] is not None else 'NEVER':>9} "
+        print(f"{row['kill']:>4} {row['how']:15s} {row['resume_s'] if row['resume_s'] is not None else 'NEVER':>9} "
               f"{row.get('down_s') or 0:>7.3f} {row.get('lost', 0):>5} {row.get('duplicated', 0):>10} "
               f"{row['resubmitted'] if row['resubmitted'] is not None else '?':>9}", file=out)
     drops = ", ".join(f"{k}={v}" for k, v in r["dropped"].items())

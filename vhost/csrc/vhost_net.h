@@ -391,6 +391,8 @@ static inline int vh_txq_flush(struct vh_net *n)
         left -= (uint32_t)r;
         if (n->hook)
             n->hook(n->hook_ctx, attempt, delivered, left);
+        if (n->crash_after && delivered && --n->crash_after == 0)
+            _exit(9);   /* vring vhost --crash-after: dies as a kill -9 would, Rx published, Tx not completed */
         if (left == 0 || delivered == 0 || attempt >= n->retries)
             break;
         attempt++;

@@ -108,6 +108,7 @@ struct vh_net {
     void (*hook)(void *, uint32_t, uint32_t, uint32_t);  /* tests: called after each enqueue attempt */
     void *hook_ctx;
     struct vh_inflight *rx_inf, *tx_inf;  /* inflight tracking of each queue (INFLIGHT_SHMFD), or NULL */
+    uint32_t crash_after;                /* fault injection: _exit after this many enqueues that delivered */
     struct vh_stats st;
 };
 
