@@ -139,7 +139,7 @@ def run(cfg: DriverConfig, on_ready=None):
         elapsed = time.monotonic() - t0
         loop.drain()
         result["elapsed_s"] = round(elapsed, 6)
-        result["vring_bases"] = fe.stop() if fe.conn is not None else {}
+        result["vring_bases"] = _stop_vrings(sess)
         result["connections"] = sess.connections
         result["reconnects"] = loop.reconnects
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
@@ -181,6 +181,20 @@ def latency_summary(lat):
                 out[f"p{q:g}_ns"] = _bucket_value(b)   # bucket lower bound (within 19%)
                 break
     return out
+
+
+def _stop_vrings(sess):
+    """SET_VRING_ENABLE 0 + GET_VRING_BASE at the end; {} when no backend is there. A resilient run whose backend
+    goes away just then ends normally (the next one would have been waited for)."""
+    if sess.fe.conn is None:
+        return {}
+    try:
+        return sess.fe.stop()
+    except PeerGone as e:
+        if not sess.reconnect:
+            raise
+        sess.lost(str(e))
+        return {}
 
 
 def _event_printer():
