@@ -1,4 +1,5 @@
 """cffi builder for rings._virtq: the ring primitives of csrc/virtq.h exposed as burst calls."""
+import glob
 import os
 import re
 
@@ -25,7 +26,7 @@ def package_ffi(module, csrc, header, types_header, functions, opt="-O2"):
     ffi.cdef(ring_cdef() + cdef_of(os.path.join(csrc, types_header)) + functions)
     ffi.set_source(module, f'#include "{header}"', include_dirs=[csrc, CSRC],
                    extra_compile_args=[opt, "-std=gnu11"],
-                   depends=[os.path.join(csrc, n) for n in (header, types_header)]
+                   depends=sorted(glob.glob(os.path.join(csrc, "*.h")))   # every header it may include
                    + [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")])
     return ffi
 

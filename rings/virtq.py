@@ -235,6 +235,37 @@ class DriverQueue(_Queue):
         self._check()
         lib.vq_drv_enable_calls(self.c, int(bool(on)))
 
+    #: what reset() puts back as at creation (the configuration and the array pointers stay)
+    _reset_fields = ("next_avail", "last_used", "free_head", "next_desc", "oldest", "inflight", "kick_added",
+                     "pending", "pending_head", "pending_flags", "error", "err_a", "err_b")
+
+    def reset(self):
+        """Forget every buffer and lay the ring out afresh (zeroed areas, fresh indices and wrap counters, as at
+        creation). Returns the tokens of the buffers that were in flight (oldest first with IN_ORDER), now the
+        caller's again.
+
+        For a packed ring whose device vanished without an inflight area: it may have written used
+        descriptors of a batch without the head's flags (published last), and those slots would look neither
+        available nor used to its successor, which would stop there for good. DPDK virtio_user resets the ring
+        on reconnect for that reason."""
+        c, n = self.c, self.size
+        ids = np.flatnonzero(self.id_inflight)
+        if self.in_order:   # ids are ring slots: oldest from the used position on
+            ids = sorted(ids, key=lambda i: (int(i) - c.last_used) % n)
+        tokens = self.id_token[np.asarray(ids, np.int64)].copy()
+        for name in self._reset_fields:
+            setattr(c, name, 0)
+        c.num_free = n
+        c.avail_wrap = c.used_wrap = 1 if self.layout.packed else 0
+        self.free_next[:] = np.arange(1, n + 1) % max(n, 1)
+        for arr in (self.id_ndesc, self.id_wlen, self.id_token, self.id_inflight):
+            arr[:] = 0
+        for gpa, size in zip((self.layout.desc, self.layout.driver, self.layout.device),
+                             area_sizes(self.layout.fmt, n)):
+            ffi.memmove(self.mem.host(gpa, size), bytes(size), size)
+        self.broken = None
+        return tokens
+
     def snapshot(self):
         from .snapshot import driver_snapshot
         return driver_snapshot(self)

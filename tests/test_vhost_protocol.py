@@ -70,7 +70,7 @@ def test_dpdk_sequence_and_traffic(server, sock_path, packed):
     with ScriptedFrontend(sock_path, packed=packed).connect() as fe:
         assert fe.call(R.GET_FEATURES) == OFFERED_FEATURES
         assert OFFERED_FEATURES >> 30 & 1 and not OFFERED_FEATURES >> 22 & 1   # bit 30 yes, MQ no
-        assert fe.call(R.GET_PROTOCOL_FEATURES) == OFFERED_PROTOCOL_FEATURES == 0x10008
+        assert fe.call(R.GET_PROTOCOL_FEATURES) == OFFERED_PROTOCOL_FEATURES == 0x11008   # + INFLIGHT_SHMFD
         fe.negotiate()
         fe.start()
         wait_running(server)

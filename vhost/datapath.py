@@ -30,8 +30,9 @@ STATS_FIELDS = tuple(name for name, _ in ffi.typeof("struct vh_stats").fields)
 
 #: Per-queue counters (vring 0 = the driver's Rx queue, vring 1 = its Tx queue) and the intermediate queue's.
 RXQ_FIELDS = ("rx_packets", "rx_bytes", "rx_buffers", "rx_dropped", "rx_too_big", "rx_runt_bufs",
-              "rx_retries", "rx_attempts", "rx_calls")
-TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls", "tx_kicks")
+              "rx_retries", "rx_attempts", "rx_calls", "rx_resubmitted")
+TXQ_FIELDS = ("tx_packets", "tx_bytes", "tx_runt", "tx_oversize", "tx_bursts", "tx_calls", "tx_kicks",
+              "tx_resubmitted")
 INTERMEDIATE_FIELDS = ("flush_threshold", "flush_rx_batch", "flush_timer", "flush_idle", "fwd_dropped",
                        "iterations", "busy_iterations", "busy_ns", "sleeps")
 
@@ -52,6 +53,7 @@ class Options:
     pcap: object = field(default=None, compare=False, repr=False)  # rings.pcap.PcapWriter: capture per burst
     idle: str = "poll"                # 'poll' | 'sleep' (block on the kick eventfd after idle_polls empty polls)
     idle_polls: int = 256
+    crash_after: int = 0              # fault injection: exit abruptly after N enqueues that delivered packets
 
     def __post_init__(self):
         if not 1 <= self.burst <= 1024:
@@ -64,6 +66,8 @@ class Options:
             raise ConfigError(f"txq threshold must be 1..4096, not {self.txq_threshold}")
         if self.fwd not in FWD_MODES:
             raise ConfigError(f"forwarding mode must be one of {tuple(FWD_MODES)}, not {self.fwd!r}")
+        if not 0 <= self.crash_after < 2**32:
+            raise ConfigError(f"crash-after must be 0..2^32-1, not {self.crash_after}")
         if not 64 <= self.pkt_size <= 65536:
             raise ConfigError(f"packet buffer size must be 64..65536, not {self.pkt_size}")
         if self.idle not in IDLE_MODES:
@@ -130,9 +134,11 @@ class _ChainsBuf:
 class Datapath:
     """The C loop over one Rx (vring 0) and one Tx (vring 1) DeviceQueue; either may be None (not served)."""
 
-    def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1):
+    def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1, tracking=(None, None)):
+        """``tracking``: the ``vhost.inflight.QueueTracking`` of each queue (INFLIGHT_SHMFD) or None."""
         self.options = options
         self.rxq, self.txq = rxq, txq
+        self.tracking = list(tracking)
         self.features = features
         n = self.n = ffi.new("struct vh_net *")
         sizes = [q.size for q in (rxq, txq) if q is not None] or [1]
@@ -145,6 +151,8 @@ class Datapath:
             n.txq = _cast_dev(txq)
             n.txc = self._txc.c
         n.rx_callfd, n.tx_callfd = rx_callfd, tx_callfd
+        n.rx_inf = self.tracking[0].c if rxq is not None and self.tracking[0] is not None else ffi.NULL
+        n.tx_inf = self.tracking[1].c if txq is not None and self.tracking[1] is not None else ffi.NULL
         n.hdr_len = hdr_len(features)
         n.mrg_rxbuf = has(features, VIRTIO_NET_F_MRG_RXBUF)
         n.burst = options.burst
@@ -154,6 +162,7 @@ class Datapath:
         n.threshold = options.txq_threshold
         n.flush_mode, n.timer_ns = options.flush_mode()
         n.timing = options.timing
+        n.crash_after = options.crash_after
         cap = options.txq_threshold + options.burst
         self._pkt_data = np.zeros(cap * options.pkt_size, np.uint8)
         self._pkt_len = np.zeros(cap, np.uint32)
@@ -247,7 +256,10 @@ class Datapath:
 
     def stats(self):
         st = self.n.st
-        return {name: int(getattr(st, name)) for name in STATS_FIELDS}
+        out = {name: int(getattr(st, name)) for name in STATS_FIELDS}
+        for side, t in zip(("rx", "tx"), self.tracking):   # chains taken again for a killed predecessor
+            out[f"{side}_resubmitted"] = int(t.c.resubmitted) if t is not None else 0
+        return out
 
     def set_hook(self, hook, ctx=ffi.NULL):
         """Tests: ``hook`` is a C function pointer (``lib.vh_test_hook``) called after each enqueue attempt."""

@@ -27,6 +27,7 @@ from rings.shm import MemoryTable, ShmRegion
 from rings.virtq import CMemory, DeviceQueue
 
 from .datapath import Datapath, Options, add_stats
+from .inflight import InflightArea, InflightError, QueueTracking, create_area
 
 log = logging.getLogger("vhost")
 
@@ -38,8 +39,8 @@ PF = vu.VhostUserProtocolFeature
 OFFERED_FEATURES = (bit(VIRTIO_NET_F_MRG_RXBUF) | bit(VIRTIO_F_INDIRECT_DESC) | bit(VIRTIO_F_EVENT_IDX)
                     | bit(VHOST_USER_F_PROTOCOL_FEATURES) | bit(VIRTIO_F_VERSION_1)
                     | bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER))
-#: Protocol features: REPLY_ACK and STATUS (MQ is not offered: we serve one pair).
-OFFERED_PROTOCOL_FEATURES = bit(PF.REPLY_ACK) | bit(PF.STATUS)
+#: Protocol features: REPLY_ACK, STATUS and INFLIGHT_SHMFD (MQ is not offered: we serve one pair).
+OFFERED_PROTOCOL_FEATURES = bit(PF.REPLY_ACK) | bit(PF.STATUS) | bit(PF.INFLIGHT_SHMFD)
 
 NUM_VRINGS = 2
 STATUS_DRIVER_OK = 0x4
@@ -50,6 +51,13 @@ NOFD = -1      # received with the NOFD flag: no notifications
 
 class Refused(VringError):
     """A request that is well-formed but cannot be honoured; the server NACKs it or drops the connection."""
+
+
+@dataclass
+class Reply:
+    """A reply payload that carries fds (GET_INFLIGHT_FD); the server sends them, then closes them."""
+    payload: bytes
+    fds: list
 
 
 @dataclass
@@ -95,6 +103,7 @@ class NetDevice:
         self.datapath: Datapath | None = None
         self.totals: dict = {}      # counters of data paths that have stopped (this connection)
         self.ring_errors: list[RingError] = []
+        self.inflight: InflightArea | None = None   # SET_INFLIGHT_FD: the frontend-kept tracking area
         self._handlers = {
             R.GET_FEATURES: self._get_features, R.SET_FEATURES: self._set_features,
             R.SET_OWNER: self._set_owner, R.RESET_OWNER: self._reset_owner,
@@ -107,6 +116,7 @@ class NetDevice:
             R.SET_PROTOCOL_FEATURES: self._set_protocol_features,
             R.GET_QUEUE_NUM: self._get_queue_num, R.SET_VRING_ENABLE: self._set_vring_enable,
             R.SET_STATUS: self._set_status, R.GET_STATUS: self._get_status,
+            R.GET_INFLIGHT_FD: self._get_inflight_fd, R.SET_INFLIGHT_FD: self._set_inflight_fd,
         }
 
     # -- entry point -----------------------------------------------------------------------------
@@ -170,6 +180,44 @@ class NetDevice:
 
     def _get_status(self, msg, value):
         return vu.pack_u64(self.status)
+
+    # -- inflight tracking (INFLIGHT_SHMFD) --------------------------------------------------------
+
+    def _inflight_allowed(self, msg):
+        if not has(self.protocol_features, PF.INFLIGHT_SHMFD):
+            raise Refused(f"{msg.name}: INFLIGHT_SHMFD was not negotiated")
+
+    def _get_inflight_fd(self, msg, inf):
+        """A new zeroed area for ``num_queues`` x ``queue_size``, laid out for the negotiated ring format (send
+        SET_FEATURES first, as DPDK needs too)."""
+        self._inflight_allowed(msg)
+        try:
+            fd, size = create_area(inf.num_queues, inf.queue_size, self.packed)
+        except (InflightError, OSError) as e:
+            raise Refused(f"GET_INFLIGHT_FD: {e}") from None
+        log.info("inflight area created: %d %s queues of %d, %d bytes", inf.num_queues,
+                 "packed" if self.packed else "split", inf.queue_size, size)
+        return Reply(vu.Inflight(size, 0, inf.num_queues, inf.queue_size).pack(), [fd])
+
+    def _set_inflight_fd(self, msg, inf):
+        self._inflight_allowed(msg)
+        if inf.num_queues < NUM_VRINGS:
+            raise Refused(f"SET_INFLIGHT_FD: {inf.num_queues} queues; this device tracks {NUM_VRINGS}")
+        fd = msg.take_fds()[0]
+        try:
+            area = InflightArea(fd, inf.mmap_size, inf.mmap_offset, inf.num_queues, inf.queue_size, self.packed)
+        except InflightError as e:
+            raise Refused(str(e)) from None
+        self._stop("new inflight area")
+        self._close_inflight()
+        self.inflight = area
+        log.info("inflight area: %d %s queues of %d (%#x bytes at offset %#x)", inf.num_queues,
+                 "packed" if self.packed else "split", inf.queue_size, inf.mmap_size, inf.mmap_offset)
+
+    def _close_inflight(self):
+        if self.inflight is not None:
+            self.inflight.close()
+            self.inflight = None
 
     # -- memory ----------------------------------------------------------------------------------
 
@@ -341,8 +389,9 @@ class NetDevice:
             self._stop("not ready")
 
     def _queue(self, v):
+        """(DeviceQueue at the vring's base, its inflight tracking or None), or (None, None)."""
         if v.broken is not None:
-            return None
+            return None, None
         try:
             layout = self._layout(v, v.addr)
             # one used entry per batch only on the Tx queue, as DPDK does (virtio PMD reads Rx per buffer)
@@ -351,7 +400,7 @@ class NetDevice:
         except (Refused, VringError) as e:
             v.broken = e
             log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
-            return None
+            return None, None
         c = q.c
         if self.packed:
             c.last_avail = c.used_idx = v.base & 0x7FFF
@@ -365,14 +414,26 @@ class NetDevice:
                 base = used_idx
             c.last_avail = c.used_idx = base
         q.enable_kicks(False)   # we poll (as net_vhost does): the driver need not kick
-        return q
+        tracking = None
+        if self.inflight is not None:
+            try:
+                tracking = QueueTracking(self.inflight, v.index, v.num)
+                again = tracking.start(q, self.mem)
+            except InflightError as e:
+                v.broken = e
+                log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
+                return None, None
+            if again:
+                log.warning("vring %d: %d chains taken by the previous backend and not completed: taking them "
+                            "again first", v.index, again)
+        return q, tracking
 
     def _start(self):
-        rx, tx = (self._queue(v) for v in self.vrings)
+        (rx, rx_trk), (tx, tx_trk) = (self._queue(v) for v in self.vrings)
         if rx is None and tx is None:
             return
         fds = [max(v.callfd, -1) for v in self.vrings]
-        self.datapath = Datapath(rx, tx, self.features, self.options, fds[0], fds[1])
+        self.datapath = Datapath(rx, tx, self.features, self.options, fds[0], fds[1], tracking=(rx_trk, tx_trk))
         log.info("data path started: %s rings, %s, hdr %d bytes, features %s",
                  "packed" if self.packed else "split",
                  "in-order" if has(self.features, VIRTIO_F_IN_ORDER) else "normal",
@@ -438,3 +499,4 @@ class NetDevice:
         regions, self.regions, self.mem, self.cmem = self.regions, [], None, None
         for _r, shm in regions:
             shm.close()
+        self._close_inflight()

@@ -22,7 +22,7 @@ from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError, ProtocolTimeout, VringError
 
 from .datapath import Options, add_stats, split_stats
-from .device import NetDevice, Refused
+from .device import NetDevice, Refused, Reply
 
 log = logging.getLogger("vhost")
 
@@ -167,13 +167,19 @@ class Server:
             log.exception("%s failed", msg.name)
             self._refuse(msg, f"internal error: {type(e).__name__}: {e}")
             return
+        fds = []
+        if isinstance(payload, Reply):   # a reply with fds (GET_INFLIGHT_FD): ours to close once sent
+            payload, fds = payload.payload, payload.fds
         try:
             if vu.has_reply(msg.request):
-                conn.send(vu.reply(msg, payload or b""), timeout=MSG_TIMEOUT)
+                conn.send(vu.reply(msg, payload or b"", fds), timeout=MSG_TIMEOUT)
             elif vu.wants_ack(msg):
                 conn.send(vu.ack(msg, True), timeout=MSG_TIMEOUT)
         except (ProtocolError, VringError) as e:
             self._drop(f"cannot reply: {e}")
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     # -- the loop --------------------------------------------------------------------------------
 

@@ -15,8 +15,15 @@ re-checks the ring and blocks on the Rx call eventfd (RxQueue.wait).
 The loop runs Python once per burst. At the end Tx is drained (cleanup until nothing is in flight), Rx is
 drained for ``drain`` seconds (packets counted and freed), the vrings are stopped (SET_VRING_ENABLE 0,
 GET_VRING_BASE), and the counters are returned as a dict.
+
+Restarts (virtio/session.py): with ``reconnect`` (client) or ``server`` a backend that goes away is replaced:
+the driver keeps its rings and buffers, consumes what the old backend published, brings the next backend up
+at its own ring positions and goes on. Each step is an event (a JSON line on stderr: ``backend_gone``,
+``connected``, ``resumed``, ``traffic`` = the first packet received after a resume).
 """
+import json
 import os
+import sys
 import select
 import signal
 import socket
@@ -32,10 +39,12 @@ from rings.pcap import PcapWriter
 
 from . import packets
 from ._net import ffi, lib
-from .frontend import VhostUserFrontend, want_features
+from .frontend import want_features
 from rings.ctl import ControlServer
 
+from .ledger import SEQ_MASK, Ledger
 from .net import NetQueues
+from .session import Session
 
 
 @dataclass
@@ -76,6 +85,9 @@ class DriverConfig:
     hdr_init: str = "burst"
     doorbell: str = "burst"
     rx_burst: int = 0         # rate mode: at most this many frames received per step (0: burst)
+    reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
+    server: bool = False      # listen on socket; the backend connects (and reconnects)
+    inflight: bool | None = None  # negotiate INFLIGHT_SHMFD when offered; None: only with reconnect or server
 
 
 def pin_all_threads(cpu):
@@ -115,14 +127,18 @@ def run(cfg: DriverConfig, on_ready=None):
         raise ValueError("rate mode needs a rate > 0 (frames per second)")
     want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
                          MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
-    fe = VhostUserFrontend(cfg.socket, timeout=cfg.timeout)
+    events = _event_printer() if cfg.reconnect or cfg.server else None
+    sess = Session(cfg.socket, want, server=cfg.server, reconnect=cfg.reconnect, timeout=cfg.timeout,
+                   inflight=(cfg.reconnect or cfg.server) if cfg.inflight is None else cfg.inflight, events=events)
+    fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     result = {"config": asdict(cfg)}
     try:
-        fe.connect()
-        features = fe.negotiate(want)
+        sess.open()
+        features = sess.establish(time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf"),
+                                  lambda: stop.flag)
         segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
@@ -130,16 +146,16 @@ def run(cfg: DriverConfig, on_ready=None):
                        hdr_init=cfg.hdr_init, doorbell=cfg.doorbell)
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
-        fe.start(nq.mem, nq.layouts())
-        nq.set_kickfds(fe.kickfds)   # created by fe.start (SET_VRING_KICK); no kick before DRIVER_OK (NOTIF-08)
-        nq.rx.fill()
+        sess.start(nq)
+        nq.set_kickfds(fe.kickfds)   # created by the first start (SET_VRING_KICK), kept across reconnects;
+        nq.rx.fill()                 # no kick before DRIVER_OK (NOTIF-08)
         result.update(features=features, feature_names=feature_names(features), hdr_size=nq.hdr_size,
                       protocol_features=fe.protocol)
         if on_ready:
             on_ready()
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
-        loop = _Loop(cfg, nq, stop, fe.conn.sock, pcap)
+        loop = _Loop(cfg, nq, stop, sess, pcap)
         if cfg.idle_first > 0:
             loop.idle(cfg.idle_first)
         t0 = time.monotonic()
@@ -147,7 +163,9 @@ def run(cfg: DriverConfig, on_ready=None):
         elapsed = time.monotonic() - t0
         loop.drain()
         result["elapsed_s"] = round(elapsed, 6)
-        result["vring_bases"] = fe.stop()
+        result["vring_bases"] = _stop_vrings(sess)
+        result["connections"] = sess.connections
+        result["reconnects"] = loop.reconnects
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
         result.update(loop.summary(elapsed))
         result.update(nq.counters())
@@ -162,7 +180,7 @@ def run(cfg: DriverConfig, on_ready=None):
                 fe.stop()
         except Exception:
             pass
-        fe.close()
+        sess.close()
         if ctl is not None:
             ctl.close()
         if pcap is not None:
@@ -193,12 +211,38 @@ def latency_summary(lat):
     return out
 
 
+def _stop_vrings(sess):
+    """SET_VRING_ENABLE 0 + GET_VRING_BASE at the end; {} when no backend is there. A resilient run whose backend
+    goes away just then ends normally (the next one would have been waited for)."""
+    if sess.fe.conn is None:
+        return {}
+    try:
+        return sess.fe.stop()
+    except PeerGone as e:
+        if not sess.reconnect:
+            raise
+        sess.lost(str(e))
+        return {}
+
+
+def _event_printer():
+    """Restart events as JSON lines on stderr, stamped with CLOCK_MONOTONIC (comparable across processes)."""
+    def emit(name, **fields):
+        print(json.dumps({"event": name, "t": round(time.monotonic(), 6), **fields}), file=sys.stderr, flush=True)
+    return emit
+
+
 class _Loop:
-    def __init__(self, cfg, nq, stop, ctl=None, pcap=None):
+    def __init__(self, cfg, nq, stop, session=None, pcap=None):
         self.cfg, self.nq, self.stop = cfg, nq, stop
+        self.session = session         # its socket is watched for the backend going away
         self.pcap = pcap               # rings.pcap.PcapWriter: the loops run a burst at a time from Python
-        self.ctl = ctl                 # the vhost-user socket: watched for the backend going away
         self.next_watch = 0.0
+        self.reconnects = []           # one record per backend replaced
+        self.await_traffic = None      # (time resumed, rx packets then) until the first packet after a resume
+        self.holding = bool(session is not None and session.reconnect)
+        self.backlog = []              # (idx, lens) that did not fit in the Tx ring (resilient runs)
+        self.ledger = None             # resilient macfwd --verify: laps, duplicates, the population at the end
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
         self.plen = len(self.tmpl)
         self.p_tmpl = ffi.cast("uint8_t *", ffi.from_buffer(self.tmpl))
@@ -220,6 +264,7 @@ class _Loop:
         self.bad = 0
         self.seen = None
         self.injected = 0
+        self.held_end = 0
         self.drained = 0
         self.tx_fail = 0
 
@@ -260,7 +305,7 @@ class _Loop:
         c = self.cfg
         self.bad += lib.vn_check(self.nq.pool.c, self.p_idx, self.p_lens, n, self.p_tmpl, self.plen,
                                  int(c.mode != "rxonly"), packets.SEQ_OFF, packets.TS_OFF, self.p_seqs)
-        s = self.seqs[:n]
+        s = self.seqs[:n] & SEQ_MASK
         if self.seen is not None:
             ok = s < len(self.seen)
             self.bad += int((~ok).sum())
@@ -288,6 +333,8 @@ class _Loop:
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
+                if self.holding:
+                    self.ledger = Ledger(cfg.count)
             left = cfg.count
             while left and not self.stop.flag:
                 k = self._gen(min(cfg.burst, left))
@@ -295,7 +342,73 @@ class _Loop:
                     break
                 self.injected += self._send_all(k, time.monotonic() + cfg.timeout)
                 left -= k
-        getattr(self, "_run_" + cfg.mode)(deadline)
+        while True:
+            try:
+                getattr(self, "_run_" + cfg.mode)(deadline)
+                return
+            except PeerGone as e:
+                if self.session is None or not self.session.reconnect:
+                    raise
+                try:
+                    self._resume_after(str(e), deadline)
+                except PeerGone:   # time is up (or stop asked) with no backend: the run ends here
+                    if not (self.stop.flag or time.monotonic() >= deadline):
+                        raise
+                    self.session.events("ended_without_backend")
+                    return
+
+    # -- restarts
+
+    def _resume_after(self, why, deadline):
+        """The backend went away: the session brings the next one up at our ring positions; then forward
+        what was received meanwhile."""
+        rec = {"gone_t": round(time.monotonic(), 6)}
+        self.reconnects.append(rec)
+        held = self.session.replace_backend(self.nq, why, deadline, lambda: self.stop.flag, self.cfg.burst, rec)
+        self.await_traffic = (time.monotonic(), self.nq.rx.c.packets)
+        for idx, lens in held:
+            self._forward_held(idx, lens)
+
+    def _forward_held(self, idx, lens):
+        """Packets received while the backend was away: what the mode does with a received burst."""
+        n = len(idx)
+        self.idx[:n], self.lens[:n] = idx, lens
+        if self.cfg.mode == "macfwd":
+            self._forward(n)
+        else:
+            self._check(n)
+            lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
+
+    def _forward(self, n):
+        """macfwd of the burst in self.idx[:n] (the Python path): check, drop the copies a restart made, swap
+        MACs, send; what does not fit in the Tx ring is held (resilient runs) or dropped (tx dropped)."""
+        self._check(n)
+        if self.ledger is not None:
+            n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n,
+                                   restart=self.reconnects[-1] if self.reconnects else None)
+        self._cap(self.idx[:n])
+        if self.lat is not None:
+            lib.vn_lat_update(self.lat, self.nq.pool.c, self.p_idx, n)
+        lib.vn_macswap(self.nq.pool.c, self.p_idx, n)
+        sent = self.nq.tx.burst(self.idx[:n], self.lens[:n]) if n and self._send_backlog() else 0
+        self._cap(self.idx[:sent])  # in flight: unchanged until they come back
+        if sent < n:
+            if self.holding:
+                self.backlog.append((self.idx[sent:n].copy(), self.lens[sent:n].copy()))
+            else:
+                self.nq.pool.free(self.idx[sent:n])
+                self.nq.tx.c.dropped += n - sent
+
+    def _send_backlog(self):
+        """Send held packets first, in order; True when none is left."""
+        while self.backlog:
+            idx, lens = self.backlog[0]
+            sent = self.nq.tx.burst(idx, lens)
+            if sent < len(idx):
+                self.backlog[0] = (idx[sent:], lens[sent:])
+                return False
+            self.backlog.pop(0)
+        return True
 
     def _run_macfwd(self, deadline):
         rx, tx, b = self.nq.rx.c, self.nq.tx.c, self.cfg.burst
@@ -312,19 +425,12 @@ class _Loop:
                 if n < 0:
                     self.nq.rx.vq._fail()
                 if n == 0:
-                    if self.cfg.wait:
+                    if self.backlog:
+                        self._send_backlog()
+                    elif self.cfg.wait:
                         self.nq.rx.wait(0.1)
                     continue
-                self._check(n)
-                self._cap(self.idx[:n])
-                if self.lat is not None:
-                    lib.vn_lat_update(self.lat, self.nq.pool.c, p_idx, n)
-                lib.vn_macswap(self.nq.pool.c, p_idx, n)
-                sent = self.nq.tx.burst(self.idx[:n], self.lens[:n])
-                self._cap(self.idx[:sent])  # in flight: unchanged until they come back
-                if sent < n:
-                    self.nq.pool.free(self.idx[sent:n])
-                    tx.dropped += n - sent
+                self._forward(n)
             return
         spin, loop, done = self.cfg.spin, lib.vn_fwd_loop, self._done
         while not done(deadline):
@@ -374,12 +480,17 @@ class _Loop:
         self._lat_warmup(t)
         if t >= deadline:
             return True
-        if self.ctl is not None and t >= self.next_watch:
+        if self.await_traffic is not None and self.nq.rx.c.packets > self.await_traffic[1]:
+            self.session.events("traffic", after_s=round(t - self.await_traffic[0], 6))
+            self.reconnects[-1]["traffic_s"] = round(t - self.await_traffic[0], 6)
+            self.await_traffic = None
+        sock = self.session.sock if self.session is not None else None
+        if sock is not None and t >= self.next_watch:
             self.next_watch = t + 0.1
-            r, _, _ = select.select([self.ctl], [], [], 0)
+            r, _, _ = select.select([sock], [], [], 0)
             if r:
                 try:
-                    data = self.ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     data = None
                 except OSError:
@@ -445,9 +556,14 @@ class _Loop:
         tx = nq.tx
         tx.flush()
         end = time.monotonic() + max(cfg.drain, 0.05) + 1.0
-        while tx.inflight and time.monotonic() < end:
+        while (tx.inflight or self.backlog) and time.monotonic() < end:
+            self._send_backlog()
             tx.cleanup(0)
             self._drain_rx()
+        self.held_end = sum(len(i) for i, _ in self.backlog)   # never sent: the backend did not come back
+        for idx, _ in self.backlog:
+            nq.pool.free(idx)
+        self.backlog = []
         end = time.monotonic() + cfg.drain
         while time.monotonic() < end:
             if not self._drain_rx():
@@ -460,6 +576,9 @@ class _Loop:
         if n:
             self._check(n)
             self._cap(self.idx[:n])
+            if self.ledger is not None:   # what came back at the end (copies counted, not kept)
+                n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n, advance=False)
+                self.ledger.count_final(self.seqs, n)
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n
@@ -482,4 +601,6 @@ class _Loop:
             if self.seen is not None:
                 out["verify"].update(missing=int((self.seen == 0).sum()), max_seen=int(self.seen.max(initial=0)),
                                      min_seen=int(self.seen.min()) if len(self.seen) else 0)
+            if self.ledger is not None:
+                out["verify"].update(self.ledger.summary(self.reconnects, int(nq.tx.inflight), self.held_end))
         return out

@@ -5,7 +5,13 @@ Sequence (shared/spec/vhost-user.md 2.1 and 3.1): SET_OWNER, GET_FEATURES, GET/S
 SET_MEM_TABLE with the region fd, per vring NUM/BASE/ADDR/KICK, SET_VRING_ENABLE, SET_STATUS(DRIVER_OK).
 Stop: SET_VRING_ENABLE 0 and GET_VRING_BASE per vring. Every reply is checked and waited for with a
 timeout; with REPLY_ACK every request asks for an ack, so a refusal is seen where it happens.
+
+Across backend restarts (virtio/session.py) the frontend keeps what the rings need: the kick/call eventfds and,
+with INFLIGHT_SHMFD, the inflight area's fd (GET_INFLIGHT_FD once, SET_INFLIGHT_FD to every backend after the
+memory table and before the vrings); ``disconnect()`` drops only the socket, and ``start()`` takes the vring
+bases from the driver's own ring state.
 """
+import collections
 import os
 
 from rings import vhost_user as vu
@@ -46,8 +52,11 @@ class VhostUserFrontend:
     """One connection to a vhost-user backend. ``timeout``: seconds for each reply; SET_MEM_TABLE gets
     ``mem_timeout`` (DPDK maps the region while we wait; 0.5-1.4 s seen on a 2-CPU box)."""
 
-    def __init__(self, path, timeout=5.0, mem_timeout=15.0):
+    def __init__(self, path, timeout=5.0, mem_timeout=15.0, inflight=True):
+        """``inflight``: negotiate INFLIGHT_SHMFD when the backend offers it."""
         self.path = os.fspath(path)
+        self.want_inflight = inflight
+        self.inflight = None      # (vu.Inflight, fd) from GET_INFLIGHT_FD, kept across backends
         self.timeout = timeout
         self.mem_timeout = max(mem_timeout, 5.0)
         self.conn = None
@@ -61,7 +70,7 @@ class VhostUserFrontend:
         self.callfds = [None, None]
         self.started = False
         self.vring_bases = {}
-        self.log = []   # (request name, detail) of every request sent, for debugging
+        self.log = collections.deque(maxlen=256)   # (request name, detail) of the last requests sent, for debugging
 
     # ------------------------------------------------------------------ plumbing
 
@@ -73,8 +82,13 @@ class VhostUserFrontend:
     def has_status(self):
         return bool(self.protocol >> PF.STATUS & 1)
 
-    def call(self, request, payload=b"", fds=(), timeout=None, ack=None):
-        """One request; with REPLY_ACK negotiated every request without a reply of its own asks for an ack."""
+    @property
+    def has_inflight(self):
+        return bool(self.protocol >> PF.INFLIGHT_SHMFD & 1)
+
+    def call(self, request, payload=b"", fds=(), timeout=None, ack=None, keep_fds=False):
+        """One request; with REPLY_ACK negotiated every request without a reply of its own asks for an ack.
+        ``keep_fds``: return (value, fds of the reply), the fds the caller's."""
         if self.conn is None:
             raise ProtocolError("not connected")
         if ack is None:
@@ -94,7 +108,8 @@ class VhostUserFrontend:
         if rep is None:
             return None
         try:
-            return vu.decode(rep, reply=True)
+            value = vu.decode(rep, reply=True)
+            return (value, rep.take_fds()) if keep_fds else value
         finally:
             rep.close_fds()
 
@@ -102,6 +117,11 @@ class VhostUserFrontend:
 
     def connect(self):
         self.conn = vu.connect_unix(self.path, timeout=self.timeout)
+        return self
+
+    def attach(self, conn):
+        """Use a connection accepted by a listening driver (``--server``: the backend connected to us)."""
+        self.conn = conn
         return self
 
     def negotiate(self, want, required=None):
@@ -120,7 +140,8 @@ class VhostUserFrontend:
         if self.offered >> VHOST_USER_F_PROTOCOL_FEATURES & 1:
             features |= bit(VHOST_USER_F_PROTOCOL_FEATURES)
             self.protocol_offered = self.call(R.GET_PROTOCOL_FEATURES)
-            self.protocol = self.protocol_offered & (bit(PF.REPLY_ACK) | bit(PF.STATUS))
+            mine = bit(PF.REPLY_ACK) | bit(PF.STATUS) | (bit(PF.INFLIGHT_SHMFD) if self.want_inflight else 0)
+            self.protocol = self.protocol_offered & mine
             self.call(R.SET_PROTOCOL_FEATURES, vu.pack_u64(self.protocol), ack=False)
         # SET_VRING_CALL first, for every vring (as virtio_user: vhost allocates the queue pairs from it)
         for i in range(self.nvrings):
@@ -146,10 +167,30 @@ class VhostUserFrontend:
         region = vu.MemRegion(gpa=mem.gpa, size=mem.size, uaddr=mem.gpa, mmap_offset=0)
         self.call(R.SET_MEM_TABLE, vu.pack_mem_table([region]), fds=[mem.fileno()], timeout=self.mem_timeout)
 
-    def setup_vring(self, index, layout):
+    def get_inflight(self, queue_size):
+        """GET_INFLIGHT_FD once (after SET_FEATURES: the layout depends on the ring format); the area is kept."""
+        if self.inflight is not None or not self.has_inflight:
+            return
+        inf, fds = self.call(R.GET_INFLIGHT_FD, vu.Inflight(0, 0, self.nvrings, queue_size).pack(), keep_fds=True)
+        if inf.num_queues != self.nvrings or inf.queue_size != queue_size or inf.mmap_size == 0:
+            for fd in fds:
+                os.close(fd)
+            raise ProtocolError(f"backend at {self.path} answered GET_INFLIGHT_FD with {inf}")
+        self.inflight = (inf, fds[0])
+
+    def set_inflight(self):
+        """SET_INFLIGHT_FD with the kept area, to every backend that negotiated INFLIGHT_SHMFD."""
+        if self.inflight is not None and self.has_inflight:
+            inf, fd = self.inflight
+            self.call(R.SET_INFLIGHT_FD, inf.pack(), fds=[fd])
+
+    def setup_vring(self, index, layout, base=None):
+        """NUM, BASE (``base``: split avail index, packed slot | wrap << 15; default a fresh ring), ADDR, KICK."""
         packed = layout.packed
+        if base is None:
+            base = 0x8000 if packed else 0
         self.call(R.SET_VRING_NUM, vu.VringState(index, layout.size).pack())
-        self.call(R.SET_VRING_BASE, vu.VringState(index, 0x8000 if packed else 0).pack())
+        self.call(R.SET_VRING_BASE, vu.VringState(index, base).pack())
         # wire order: desc, used (device area), avail (driver area)
         self.call(R.SET_VRING_ADDR, vu.VringAddr(index, 0, desc=layout.desc, used=layout.device,
                                                  avail=layout.driver).pack())
@@ -157,11 +198,13 @@ class VhostUserFrontend:
             self.kickfds[index] = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self.call(R.SET_VRING_KICK, vu.VringFile(index).pack(), fds=[self.kickfds[index]])
 
-    def start(self, mem, layouts):
-        """SET_MEM_TABLE, the vrings (Rx then Tx), enable them, DRIVER_OK."""
+    def start(self, mem, layouts, bases=None):
+        """SET_MEM_TABLE, SET_INFLIGHT_FD (if negotiated), the vrings (Rx then Tx) at ``bases`` (default: fresh
+        rings), enable them, DRIVER_OK."""
         self.set_mem_table(mem)
+        self.set_inflight()
         for i in range(self.nvrings):
-            self.setup_vring(i, layouts[i])
+            self.setup_vring(i, layouts[i], None if bases is None else bases[i])
         if self.features >> VHOST_USER_F_PROTOCOL_FEATURES & 1:
             for i in range(self.nvrings):
                 self.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
@@ -182,10 +225,18 @@ class VhostUserFrontend:
             self.vring_bases[i] = st.num
         return dict(self.vring_bases)
 
-    def close(self):
+    def disconnect(self):
+        """Drop the connection only (the backend went away): eventfds and the inflight area stay."""
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+        self.started = False
+
+    def close(self):
+        self.disconnect()
+        if self.inflight is not None:
+            os.close(self.inflight[1])
+            self.inflight = None
         for fds in (self.kickfds, self.callfds):
             for i, fd in enumerate(fds):
                 if fd is not None:

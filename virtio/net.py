@@ -327,6 +327,30 @@ class NetQueues:
     def layouts(self):
         return {RXQ: self.mem.rx_layout, TXQ: self.mem.tx_layout}
 
+    def reset_rings(self):
+        """Both rings afresh (``DriverQueue.reset``): the Rx buffers go back to the pool and the ring is filled
+        again; the Tx packets that were in flight are returned as (indices, lengths), to be sent again (a copy
+        the old device had delivered becomes a duplicate, never a loss). A mergeable packet left half received
+        is dropped; returns (indices, lengths, partial packets dropped)."""
+        pool, rx, tx = self.pool, self.rx, self.tx
+        pool.free(rx.vq.reset().astype(np.uint32))
+        partial = 0
+        if rx.c.part_left:
+            pool.free(np.array([rx.c.part_head], np.uint32))
+            rx.c.part_left = 0
+            partial = 1
+        idx = tx.vq.reset().astype(np.uint32)
+        lens = np.zeros(len(idx), np.uint32)
+        for k, b in enumerate(idx):   # the packet's length: its segments' data
+            while b != 0xFFFFFFFF and b < pool.nbufs:
+                lens[k] += pool.data_len[b]
+                b = pool.next[b]
+        tx.c.pending_kick = 0
+        for q in (rx, tx):
+            q.vq.enable_calls(False)
+        rx.fill()
+        return idx, lens, partial
+
     def counters(self):
         return {"rx": self.rx.counters(), "tx": self.tx.counters(),
                 "pool": {"available": self.pool.available, "nbufs": self.pool.nbufs,

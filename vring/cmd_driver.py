@@ -11,7 +11,19 @@ from virtio.app import DriverConfig, run
 def register(sub):
     p = sub.add_parser("driver", help="run the virtio-net driver (vhost-user frontend) against a backend",
                        description=__doc__)
-    p.add_argument("--socket", required=True, help="the backend's vhost-user socket")
+    p.add_argument("--socket", required=True, help="the backend's vhost-user socket (with --server: ours)")
+    p.add_argument("--reconnect", action="store_true",
+                   help="when the backend goes away keep rings and buffers, connect again (backoff, bounded by "
+                        "--seconds) and resume at our ring positions; events as JSON lines on stderr")
+    p.add_argument("--server", action="store_true",
+                   help="listen on --socket (mode 0600); the backend connects (vring vhost --client, DPDK "
+                        "net_vhost client=1) and may reconnect, as DPDK virtio_user server=1")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--inflight", dest="inflight", action="store_true", default=None,
+                   help="negotiate VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD (inflight tracking) when offered; the default "
+                        "with --reconnect or --server")
+    g.add_argument("--no-inflight", dest="inflight", action="store_false",
+                   help="do not negotiate INFLIGHT_SHMFD, even with --reconnect or --server")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--packed", dest="packed", action="store_true", help="packed virtqueues")
     g.add_argument("--split", dest="packed", action="store_false", help="split virtqueues (default)")
@@ -93,7 +105,8 @@ def main(args):
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
         ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count, rate=args.rate,
         latency_warmup=args.latency_warmup, idle_first=args.idle_first,
-        tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst)
+        tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst,
+        reconnect=args.reconnect, server=args.server, inflight=args.inflight)
     rawdump.set_snapshot_dir(args.snapshot_dir)
     if args.mode == "rate" and not args.rate > 0:
         print("vring driver: --mode rate needs --rate PPS > 0", file=sys.stderr)

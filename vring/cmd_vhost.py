@@ -47,6 +47,10 @@ def register(sub):
                    help="data-path time slice between looks at the control socket (default 500)")
     p.add_argument("--timing", action="store_true",
                    help="measure the time spent in iterations that moved packets (busy_ns counter)")
+    p.add_argument("--crash-after", type=int, default=0, metavar="N",
+                   help="fault injection: exit at once (as a kill -9 would: nothing cleaned up) right after the Nth "
+                        "enqueue that delivered packets, before the Tx chains they came from are completed: the "
+                        "window a restarting frontend must handle (default 0: never)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
     p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
                    help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
@@ -72,7 +76,8 @@ def run(args):
         opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
                        in_order_batch=args.in_order_batch, txq_threshold=args.txq_threshold,
                        txq_flush=args.txq_flush, fwd=args.fwd, pkt_size=args.pkt_size,
-                       timing=args.timing, pcap=pcap, idle=args.idle, idle_polls=args.idle_polls)
+                       timing=args.timing, pcap=pcap, idle=args.idle, idle_polls=args.idle_polls,
+                       crash_after=args.crash_after)
     except (ConfigError, OSError, ValueError) as e:
         raise SystemExit(f"vring vhost: {e}")
     if args.pin is not None:

@@ -11,6 +11,7 @@
 
 #include "virtq.h"
 #include "vhost_net_types.h"
+#include "vhost_inflight.h"
 
 enum { VH_FWD_MACSWAP = 0, VH_FWD_IO = 1, VH_FWD_RXONLY = 2 };
 enum { VH_FLUSH_RX_BATCH = 0, VH_FLUSH_TIMER = 1, VH_FLUSH_THRESHOLD = 2 };
@@ -104,7 +105,9 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     uint32_t room = n->pkt_cap - n->npkts, max = n->burst < room ? n->burst : room;
     if (!q || max == 0)
         return 0;
-    int got = vq_dev_poll(q, c, max);
+    c->n = 0;
+    c->nsegs = 0;
+    int got = vhi_poll(q, c, max, n->tx_inf);
     if (got < 0) {
         n->broken |= VH_BROKEN_TX;
         n->txq = 0;
@@ -158,7 +161,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         }
         if (per_buffer) {
             vq_dev_push_used(q, &ids[k], &lens[k], 1);
-            vq_dev_flush(q);
+            vhi_flush(q, n->tx_inf);
         }
     }
     n->st.tx_packets += moved;
@@ -187,7 +190,7 @@ static inline void vh_tx_complete(struct vh_net *n)
     n->tx_unflushed = 0;
     if (!n->txq)
         return;
-    vq_dev_flush(n->txq);
+    vhi_flush(n->txq, n->tx_inf);
     vh_notify(n->txq, n->tx_callfd, &n->st.tx_calls);
 }
 
@@ -241,8 +244,7 @@ static inline int vh_rx_refill(struct vh_net *n, uint32_t want)
     uint32_t max = c->n + want;
     if (max > c->cap_chains)
         max = c->cap_chains;
-    /* vq_dev_poll_* append after c->n / c->nsegs (vq_dev_poll would reset them) */
-    int r = q->packed ? vq_dev_poll_packed(q, c, max) : vq_dev_poll_split(q, c, max);
+    int r = vhi_poll(q, c, max, n->rx_inf);   /* appends after c->n / c->nsegs */
     if (r < 0) {
         n->broken |= VH_BROKEN_RX;
         n->rxq = 0;
@@ -458,7 +460,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         bytes += plen;
         if (n->per_buffer) {   /* all buffers of one packet are published together (NET-31) */
             vq_dev_push_used(q, n->ids, n->lens, m);
-            vq_dev_flush(q);
+            vhi_flush(q, n->rx_inf);
             n->st.rx_buffers += m;
             m = 0;
         }
@@ -467,7 +469,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         vq_dev_push_used(q, n->ids, n->lens, m);
         n->st.rx_buffers += m;
     }
-    vq_dev_flush(q);
+    vhi_flush(q, n->rx_inf);
     n->st.rx_packets += dl;
     n->st.rx_bytes += bytes;
     *delivered = dl;
@@ -498,6 +500,8 @@ static inline int vh_txq_flush(struct vh_net *n)
         left -= (uint32_t)r;
         if (n->hook)
             n->hook(n->hook_ctx, attempt, delivered, left);
+        if (n->crash_after && delivered && --n->crash_after == 0)
+            _exit(9);   /* vring vhost --crash-after: dies as a kill -9 would, Rx published, Tx not completed */
         if (left == 0 || delivered == 0 || attempt >= n->retries)
             break;
         attempt++;
@@ -550,8 +554,8 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
     for (uint32_t it = 0; it < max_iters; it++) {
         uint64_t t0 = n->timing ? vh_now_ns() : 0;
         int got = vh_dequeue_burst(n);
-        if (!n->direct)
-            vh_tx_complete(n);
+        if (!n->direct && !n->tx_inf)   /* with inflight tracking, only once the frames are delivered: a */
+            vh_tx_complete(n);          /* successor resubmits what we took, never what we completed */
         if (n->direct && n->npkts) {   /* no intermediate queue: every burst goes on at once */
             n->st.flush_rx_batch++;
             vh_txq_flush(n);

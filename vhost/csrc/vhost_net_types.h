@@ -26,6 +26,72 @@ struct vh_stats {
     uint64_t tx_kicks;                   /* kicks received on vring 1 (eventfd counts, added by the server) */
 };
 
+/* Inflight I/O tracking (vhost-user VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD): the layouts of one queue's region
+ * in the shared inflight area, as QEMU's vhost-user spec ("Inflight I/O tracking") and DPDK's rte_vhost.h
+ * define them. The frontend keeps the area across backend restarts; the successor reads it at start. */
+struct vhi_desc_split {          /* DescStateSplit, 16 bytes, indexed by head descriptor */
+    uint8_t inflight;
+    uint8_t padding[5];
+    uint16_t next;               /* the list of the last batch of used heads */
+    uint64_t counter;            /* the order in which heads were taken */
+};
+
+struct vhi_region_split {        /* QueueRegionSplit: 16-byte header, then desc[queue size] */
+    uint64_t features;
+    uint16_t version;
+    uint16_t desc_num;
+    uint16_t last_batch_head;
+    uint16_t used_idx;           /* used->idx once the last batch's inflight flags are cleared */
+    struct vhi_desc_split desc[];
+};
+
+struct vhi_desc_packed {         /* DescStatePacked, 32 bytes: an entry of a free list of queue-size entries */
+    uint8_t inflight;            /* head entries only */
+    uint8_t padding;
+    uint16_t next;               /* the next free entry / the next entry of this chain */
+    uint16_t last;               /* head: the chain's last entry */
+    uint16_t num;                /* head: the chain's descriptors */
+    uint64_t counter;            /* head: the order in which chains were taken */
+    uint16_t id;                 /* a copy of the ring descriptor */
+    uint16_t flags;
+    uint32_t len;
+    uint64_t addr;
+};
+
+struct vhi_region_packed {       /* QueueRegionPacked: 29-byte header (desc[] at 32) */
+    uint64_t features;
+    uint16_t version;
+    uint16_t desc_num;
+    uint16_t free_head;
+    uint16_t old_free_head;
+    uint16_t used_idx;
+    uint16_t old_used_idx;
+    uint8_t used_wrap_counter;
+    uint8_t old_used_wrap_counter;
+    uint8_t padding[7];
+    struct vhi_desc_packed desc[];
+};
+
+/* The backend's private side of one queue's tracking. The C engine reads the shared region never: what it
+ * needs (free list, chain lengths, positions) has private copies, so a frontend that scribbles over the area
+ * cannot steer the data path; the successor validates the area before it trusts it. */
+struct vh_inflight {
+    void *region;                /* struct vhi_region_split / vhi_region_packed */
+    uint16_t size;
+    uint8_t packed, stopped;     /* stopped: a hostile driver put more descriptors in flight than the ring holds */
+    uint16_t last_batch_head;    /* split */
+    uint16_t free_head;          /* packed: head of the free entry list */
+    uint16_t used_idx;           /* packed: the device's used position and wrap counter */
+    uint16_t used_wrap;
+    uint64_t counter;            /* the next chain's counter */
+    uint16_t *entry_of_id;       /* packed: the head entry of each buffer id in flight */
+    uint16_t *e_next, *e_last, *e_num;   /* packed: private copies of desc[].next/last/num */
+    uint16_t *resubmit;          /* heads (split) / head entries (packed) to take again, in taken order */
+    uint32_t nresubmit, resubmit_pos;
+    struct vring_packed_desc *scratch;   /* packed: one chain's descriptors, re-parsed as a ring */
+    uint64_t taken, completed, resubmitted;
+};
+
 struct vh_net {
     struct vq_device *rxq, *txq;         /* NULL: that queue is not served (absent or broken) */
     struct vq_chains *rxc, *txc;         /* rxc carries polled, not yet used Rx chains across bursts */
@@ -51,5 +117,8 @@ struct vh_net {
     uint32_t sleep;                      /* set by vh_run: enabled, re-checked, still empty: block on the kick */
     void (*hook)(void *, uint32_t, uint32_t, uint32_t);  /* tests: called after each enqueue attempt */
     void *hook_ctx;
+    struct vh_inflight *rx_inf, *tx_inf;  /* inflight tracking of each queue (INFLIGHT_SHMFD), or NULL */
+    uint32_t crash_after;                /* fault injection: _exit after this many enqueues that delivered */
     struct vh_stats st;
 };
+

@@ -1,0 +1,85 @@
+"""The frame ledger of a resilient macfwd ``--verify`` run (``vring driver --reconnect|--server``).
+
+Every injected frame carries its sequence number in the low 32 bits of the u64 at ``packets.SEQ_OFF``; the
+ledger keeps the high 32 bits as the frame's lap: the driver writes lap k+1 as it sends the frame back out.
+A frame that arrives with a lap that is not the current one of its sequence number is a copy: a restarted
+backend took again a chain its predecessor had already delivered (and not completed). Copies are counted and
+freed, so the population stays what was injected and every duplicate is counted exactly once.
+
+At the end (``drain``) the ledger counts what comes back: each sequence number should be present exactly
+once; one that is absent is put on the first restart after which it was never seen again. Python once per
+burst (numpy), as the rest of the verify path.
+"""
+import time
+
+import numpy as np
+
+from . import packets
+
+SEQ_MASK = 0xFFFFFFFF
+
+
+class Ledger:
+    def __init__(self, count):
+        self.laps = np.zeros(count, np.uint32)        # the current lap of each sequence number
+        self.last_seen = np.zeros(count)              # CLOCK_MONOTONIC of its last arrival
+        self.final = np.zeros(count, np.int64)        # copies that came back while draining
+        self.duplicates = 0
+
+    def _tracked(self, pool, idx, seq):
+        # the lap is written in place: only where the field lies in the first segment
+        return (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
+
+    def dedupe(self, pool, idx, lens, seqs, n, advance=True, restart=None):
+        """Frames idx[:n] (with lens, and seqs as vn_check extracted them): free and count the copies,
+        compacting the three arrays in place; with ``advance`` write the next lap into the others.
+        ``restart``: the record of the latest restart (its ``duplicates`` are counted too). Returns n left."""
+        s = seqs[:n]
+        seq = (s & SEQ_MASK).astype(np.int64)
+        lap = (s >> 32).astype(np.uint32)
+        ix = idx[:n]
+        self.last_seen[seq[seq < len(self.laps)]] = time.monotonic()
+        tracked = self._tracked(pool, ix, seq)
+        keep = ~tracked | (lap == self.laps[np.where(tracked, seq, 0)])
+        first = np.zeros(n, bool)   # two current copies in one burst: the first one counts
+        _, at = np.unique(np.where(keep & tracked, seq, -1 - np.arange(n)), return_index=True)
+        first[at] = True
+        keep &= first
+        dups = n - int(keep.sum())
+        if dups:
+            self.duplicates += dups
+            if restart is not None:
+                restart["duplicates"] = restart.get("duplicates", 0) + dups
+            pool.free(ix[~keep])
+            m = n - dups
+            idx[:m], lens[:m], seqs[:m] = ix[keep], lens[:n][keep], s[keep]
+            n = m
+        if advance and n:
+            ix, seq = idx[:n], (seqs[:n] & SEQ_MASK).astype(np.int64)
+            tracked = self._tracked(pool, ix, seq)
+            seq, ix = seq[tracked], ix[tracked]
+            self.laps[seq] += 1
+            at = ix.astype(np.int64) * pool.buf_size + pool.data_off[ix] + packets.SEQ_OFF + 4
+            for k in range(4):
+                pool.mem[at + k] = (self.laps[seq] >> (8 * k)) & 0xFF
+        return n
+
+    def count_final(self, seqs, n):
+        s = (seqs[:n] & SEQ_MASK).astype(np.int64)
+        np.add.at(self.final, s[s < len(self.final)], 1)
+
+    def summary(self, restarts, tx_inflight, held):
+        """The population at the end, and each restart's losses (``restarts``: the loop's records, updated)."""
+        present = int((self.final > 0).sum())
+        copies = int(self.final.sum())
+        gone = [r["gone_t"] for r in restarts]
+        for r in restarts:
+            r.setdefault("lost", 0)
+            r.setdefault("duplicates", 0)
+        for seq in np.flatnonzero(self.final == 0):
+            k = int(np.searchsorted(gone, self.last_seen[seq]))
+            if k < len(restarts):
+                restarts[k]["lost"] += 1
+        return {"duplicates": self.duplicates,
+                "population": {"copies": copies, "present": present, "absent": len(self.final) - present,
+                               "extra": copies - present, "tx_inflight": tx_inflight, "held": held}}
