@@ -39,6 +39,7 @@ void vq_drv_publish(struct vq_driver *q);
 int vq_drv_kick_prepare(struct vq_driver *q);
 int vq_drv_reclaim(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max);
 void vq_drv_enable_calls(struct vq_driver *q, int on);
+int vq_dev_set_base(struct vq_device *q, uint32_t base);
 int vq_dev_poll(struct vq_device *q, struct vq_chains *c, uint32_t max);
 int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, const uint32_t *lens, uint32_t n);
 void vq_dev_flush(struct vq_device *q);

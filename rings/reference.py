@@ -13,10 +13,10 @@ from collections import deque
 
 import numpy as np
 
-from .errors import (AddressOutOfBounds, AvailIdxJump, BufferIdInUse, ChainTooLong, ConfigError,
-                     HeadOutOfRange, IndirectEmpty, IndirectLength, IndirectWithNext, NestedIndirect,
-                     NextOutOfRange, PackedIdOutOfRange, RingError, UsageError, UsedIdNotInFlight,
-                     UsedIdxJump, UsedLenTooLarge, WritableBeforeReadable)
+from .errors import (AddressOutOfBounds, AvailIdxJump, BaseOutOfRange, BufferIdInUse, ChainTooLong,
+                     ConfigError, HeadOutOfRange, IndirectEmpty, IndirectLength, IndirectWithNext,
+                     NestedIndirect, NextOutOfRange, PackedIdOutOfRange, RingError, SlotInFlight, UsageError,
+                     UsedIdNotInFlight, UsedIdxJump, UsedLenTooLarge, WritableBeforeReadable)
 from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
                      VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED,
                      VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT,
@@ -494,6 +494,7 @@ class DeviceQueue(_Queue):
         self.used_idx = 0     # split: free-running (u16); packed: next used slot
         self.used_wrap = 1    # packed (PACKED-V-01)
         self.call_added = 0   # buffers (split) / descriptors (packed) flushed since the last call_prepare
+        self.inflight_slots = 0  # packed: slots of the chains in flight, from used_idx up to last_avail
         self.fifo = deque()   # IN_ORDER: ids in polled order, not yet completed
         self.shadow = []      # (id, len) completed, not yet flushed
         self.batch = self.in_order and in_order_batch
@@ -507,6 +508,22 @@ class DeviceQueue(_Queue):
 
     def snapshot(self):
         return device_snapshot(self)
+
+    @_work
+    def set_base(self, base):
+        """Start at a vring base (vhost-user SET_VRING_BASE): split, the free-running avail idx; packed,
+        slot | wrap << 15 (DPDK's encoding). The device and used positions both start there."""
+        if any(self.id_inflight) or self.shadow or self.fifo:
+            raise UsageError("set_base: the queue has buffers in flight")
+        if not 0 <= base <= 0xFFFF or (self.packed and base & 0x7FFF >= self.size):
+            raise BaseOutOfRange(f"vring base {base:#x} is no position of this ring (size {self.size})",
+                                 base if 0 <= base <= 0xFFFFFFFF else 0xFFFFFFFF, self.size)
+        if self.packed:
+            self.last_avail = self.used_idx = base & 0x7FFF
+            self.avail_wrap = self.used_wrap = base >> 15
+        else:
+            self.last_avail = self.used_idx = self.shadow_avail_idx = base
+        self.inflight_slots = 0
 
     # --- polling -------------------------------------------------------------------------------------
 
@@ -537,6 +554,8 @@ class DeviceQueue(_Queue):
             chains.append((id, ndesc, len(segs), len(chain), rlen, wlen))
             segs += chain
             self.id_ndesc[id], self.id_wlen[id], self.id_inflight[id] = ndesc, wlen, POLLED
+            if self.packed:
+                self.inflight_slots += ndesc
             if self.in_order:
                 self.fifo.append(id)
             self.last_avail, self.avail_wrap = cursor
@@ -628,6 +647,9 @@ class DeviceQueue(_Queue):
                 raise ChainTooLong(f"list at slot {first} has more than {self.size} descriptors",
                                    first, ndesc)
             where = f"list at slot {first}, slot {slot}"
+            if ndesc + self.inflight_slots > self.size:  # PACKED-D-11/05: the used position has not passed it
+                raise SlotInFlight(f"{where}: made available again while it belongs to a chain in flight "
+                                   f"({self.inflight_slots} slots in flight)", slot, self.inflight_slots)
             addr, length, id, flags = _DESC.unpack_from(self.desc, 16 * slot)  # copied out, then checked
             slot += 1
             if slot == self.size:
@@ -707,9 +729,10 @@ class DeviceQueue(_Queue):
                 else:  # PACKED-V-05: body, then flags
                     self._put16(self.desc, 16 * self.used_idx + 14, flags)
                 ndesc = sum(self.id_ndesc[b] for b, _ in batch)  # PACKED-V-09, INORDER-12/13
-                self.used_idx += ndesc
-                if self.used_idx >= self.size:
+                self.used_idx += ndesc  # ndesc <= inflight_slots <= size: one lap at most
+                while self.used_idx >= self.size:
                     self.used_idx, self.used_wrap = self.used_idx - self.size, self.used_wrap ^ 1
+                self.inflight_slots -= ndesc
                 self.call_added += ndesc
             self._put16(self.desc, 16 * head[0] + 14, head[1])  # PACKED-V-16: the first batch's flags last
         else:

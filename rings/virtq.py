@@ -67,6 +67,9 @@ def ring_error(code, a, b, side, size):
         13: f"used id {a} (at used position {b}) is not a buffer in flight",
         14: f"used length {b} for buffer {a} is larger than its writable part",
         15: f"used idx moved from {a} to {b}: by more than the queue size or than the batch allows",
+        16: f"packed slot {a} made available again while it belongs to a chain in flight "
+            f"({b} slots in flight, queue size {size})",
+        17: f"vring base {a:#x} is no position of this ring (size {b}; packed: slot | wrap << 15)",
     }[code]
     return errors.RING_ERRORS[code](f"{side}: {msg}", a, b, side)
 
@@ -295,6 +298,18 @@ class DeviceQueue(_Queue):
         c.shadow_id = _ptr("uint32_t *", self.shadow_id)
         c.shadow_len = _ptr("uint32_t *", self.shadow_len)
         self.chains = Chains(max_chains or n, 2 * n + 64)
+        self.set_base(0x8000 if layout.packed else 0)  # PACKED-V-01: slot 0, wrap counters 1
+
+    def set_base(self, base):
+        """Start at a vring base (vhost-user SET_VRING_BASE: split avail idx; packed slot | wrap << 15), on an
+        idle queue. The C code checks it: BaseOutOfRange (sticky) if it is no position of this ring."""
+        self._check()
+        r = lib.vq_dev_set_base(self.c, base if 0 <= base <= 0xFFFFFFFF else 0xFFFFFFFF)
+        if r < 0:
+            self._fail()
+        if r:
+            raise UsageError({103: "set_base: the queue has buffers in flight",
+                              104: f"set_base: queue size {self.size} is not a valid ring size"}[r])
 
     @property
     def inflight(self):

@@ -283,3 +283,115 @@ def test_stale_packed_slot_is_not_used(impl):
     r.desc[0]["flags"] = VIRTQ_DESC_F_USED  # AVAIL=0, USED=1: not used with wrap 1
     tokens, _ = r.drv.reclaim()
     assert len(tokens) == 0 and r.drv.broken is None
+
+
+# ---- packed: slots still in flight offered again (issue 8) --------------------------------------------
+
+def _packed_list(r, first, n, id, wrap):
+    """Write an available list of n one-segment descriptors from slot `first` (hostile: no free-slot check)."""
+    bits = VIRTQ_DESC_F_AVAIL if wrap else VIRTQ_DESC_F_USED
+    for k in range(n):
+        slot = (first + k) % SIZE
+        flags = bits | (VIRTQ_DESC_F_NEXT if k + 1 < n else 0)
+        r.desc[slot] = (DATA + 64 * k, 64, id, flags)
+
+
+def test_packed_d_11_reoffered_slots_in_flight_in_order_batch(impl):
+    """PACKED-D-11/05: a driver that offers slots of chains still in flight again (here: a whole-ring chain,
+    re-offered once the device's avail position wrapped) gets SlotInFlight. On main the device took it,
+    and with IN_ORDER batching one flush moved the used position past twice the ring (out-of-bounds write)."""
+    from rings.layout import VIRTIO_F_IN_ORDER
+    buf = bytearray(MEMSIZE)
+    mem = MemoryTable([(BASE, MEMSIZE, buf)])
+    layout = QueueLayout.contiguous("packed", SIZE, BASE)
+    feats = bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER)
+    dev = impl.DeviceQueue(mem, layout, feats, in_order_batch=True)
+    r = type("R", (), {})()
+    r.desc = np.frombuffer(buf, packed_desc_dtype, SIZE, layout.desc - BASE)
+    _packed_list(r, 0, SIZE, 0, 1)           # id 0: the whole ring
+    assert dev.poll().n == 1
+    _packed_list(r, 0, SIZE, 1, 0)           # the same slots again, with the next lap's wrap bit
+    snapshot = bytes(buf)
+    with pytest.raises(errors.SlotInFlight) as info:
+        dev.poll()
+    assert (info.value.a, info.value.b) == (0, SIZE)
+    assert dev.broken is info.value
+    with pytest.raises(errors.SlotInFlight):
+        dev.flush()
+    assert bytes(buf) == snapshot
+
+
+def test_packed_d_11_partial_overlap_is_refused(impl):
+    """PACKED-D-11: a list whose tail reaches into the slots of a chain in flight; the error names the slot."""
+    r = Ring(impl, "packed")
+    _packed_list(r, 0, 6, 0, 1)              # slots 0..5 in flight
+    assert r.dev.poll().n == 1
+    _packed_list(r, 6, 3, 1, 1)              # slots 6, 7, then 0 (still in flight)
+    r.desc[0]["flags"] = VIRTQ_DESC_F_USED      # the list ends at slot 0, in the next lap (wrap 0)
+    e = expect_device_error(r, errors.SlotInFlight)
+    assert (e.a, e.b) == (0, 6)
+
+
+def test_packed_v_09_whole_ring_in_flight_then_reused_legitimately(impl):
+    """The check does not refuse a driver that waits for the used descriptors: the whole ring in flight,
+    completed, then offered again; the used position stays inside the ring."""
+    r = Ring(impl, "packed")
+    for lap in range(3):
+        r.add_one(SIZE)
+        ch = r.dev.poll()
+        assert ch.n == SIZE
+        r.dev.push_used(ch.id, np.zeros(SIZE, np.uint32))
+        r.dev.flush()
+        assert r.dev.state()["used_idx"] == 0 and r.dev.state()["used_wrap"] == (lap + 1) % 2 ^ 1
+        tokens, _ = r.drv.reclaim()
+        assert len(tokens) == SIZE
+
+
+# ---- vring base: bounded by the ring engine itself (issue 8) ------------------------------------------
+
+@pytest.mark.parametrize("fmt,base", [("packed", 0x8000 | SIZE), ("packed", SIZE + 100), ("packed", 0x7FFF),
+                                      ("split", 0x10000), ("packed", -1), ("split", 1 << 40)])
+def test_set_base_outside_the_ring_is_refused(impl, fmt, base):
+    """A vring base that is no position of the ring: BaseOutOfRange (sticky), nothing touched."""
+    r = Ring(impl, fmt)
+    snapshot = bytes(r.buf)
+    with pytest.raises(errors.BaseOutOfRange) as info:
+        r.dev.set_base(base)
+    assert info.value.a == (base if 0 <= base <= 0xFFFFFFFF else 0xFFFFFFFF) and info.value.b == SIZE
+    with pytest.raises(errors.BaseOutOfRange):
+        r.dev.poll()
+    assert bytes(r.buf) == snapshot
+
+
+def test_set_base_packed_resumes_at_slot_and_wrap(impl):
+    """PACKED-V-01 with a base: slot 5, wrap 0 -> the device polls slot 5 with wrap 0 and uses it there."""
+    r = Ring(impl, "packed")
+    r.dev.set_base(5)
+    _packed_list(r, 5, 1, 3, 0)
+    ch = r.dev.poll()
+    assert ch.n == 1 and list(ch.id) == [3]
+    r.dev.push_used([3], [0])
+    r.dev.flush()
+    assert r.desc[5]["id"] == 3 and r.desc[5]["flags"] == 0       # used with wrap 0: AVAIL = USED = 0
+    assert r.dev.state()["used_idx"] == 6
+
+
+def test_set_base_split_resumes_at_index(impl):
+    r = Ring(impl, "split")
+    r.dev.set_base(0xFFFE)
+    r.desc[0] = (DATA, 64, 0, 0)
+    r.avail["ring"][0xFFFE % SIZE] = 0
+    r.avail["idx"] = 0xFFFF
+    assert r.dev.poll().n == 1
+    r.dev.push_used([0], [0])
+    r.dev.flush()
+    assert r.used["idx"] == 0xFFFF and r.used["ring"][0xFFFE % SIZE]["id"] == 0
+
+
+def test_set_base_needs_an_idle_queue(impl):
+    r = Ring(impl, "packed")
+    r.add_one()
+    assert r.dev.poll().n == 1
+    with pytest.raises(errors.UsageError):
+        r.dev.set_base(0x8000)
+    assert r.dev.broken is None

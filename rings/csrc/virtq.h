@@ -42,9 +42,13 @@ enum {
     VQ_ERR_USED_ID_NOT_IN_FLIGHT = 13,
     VQ_ERR_USED_LEN_TOO_LARGE = 14,
     VQ_ERR_USED_IDX_JUMP = 15,
+    VQ_ERR_SLOT_IN_FLIGHT = 16,
+    VQ_ERR_BASE_OUT_OF_RANGE = 17,
     VQ_USAGE_NOT_IN_FLIGHT = 100, /* local API misuse, not a ring error */
     VQ_USAGE_OUT_OF_ORDER = 101,
     VQ_USAGE_SHADOW_FULL = 102,
+    VQ_USAGE_NOT_IDLE = 103,
+    VQ_USAGE_BAD_SIZE = 104,
 };
 
 #define VQ_ONCE(x) __atomic_load_n(&(x), __ATOMIC_RELAXED)
@@ -281,7 +285,8 @@ static inline int vq_drv_kick_prepare(struct vq_driver *q)
     int need;
     VQ_FENCE();   /* MEM-03 / EVT-25: publish before reading the device's suppression fields */
     if (q->packed) {
-        uint16_t flags = VQ_ONCE(q->device_event->flags);
+        /* EVT-19: the peer writes off_wrap, then flags; flags first, with acquire, then off_wrap */
+        uint16_t flags = VQ_ACQUIRE(q->device_event->flags);
         if (flags == RING_EVENT_FLAGS_DISABLE)
             need = 0;
         else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)
@@ -452,6 +457,28 @@ static inline void vq_drv_enable_calls(struct vq_driver *q, int on)
 /* Device half                                                                             */
 /* ======================================================================================= */
 
+/* Queue start: the positions from a vhost-user vring base (split: the free-running avail index; packed:
+ * slot | wrap << 15, DPDK's encoding), checked here whatever the caller checked, so that no base from a
+ * message ever becomes a slot index outside the ring. Only on an idle queue. 0, or an error code. */
+static inline int vq_dev_set_base(struct vq_device *q, uint32_t base)
+{
+    uint16_t size = q->size;
+    if (size == 0 || size > 32768 || (!q->packed && (size & (size - 1))))
+        return VQ_USAGE_BAD_SIZE;
+    if (q->inflight || q->shadow_count || q->fifo_count)
+        return VQ_USAGE_NOT_IDLE;
+    if (base > 0xffff || (q->packed && (base & 0x7fff) >= size))
+        return vq_dev_fail(q, VQ_ERR_BASE_OUT_OF_RANGE, base, size);
+    if (q->packed) {
+        q->last_avail = q->used_idx = (uint16_t)(base & 0x7fff);
+        q->avail_wrap = q->used_wrap = (uint16_t)(base >> 15);
+    } else {
+        q->last_avail = q->used_idx = (uint16_t)base;
+    }
+    q->inflight_slots = 0;
+    return 0;
+}
+
 /* Emit one segment into the chains arrays; checks translation and readable-before-writable. */
 static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t *s, uint64_t addr,
                               uint32_t len, int writable, int *seen_w, uint64_t *rlen, uint64_t *wlen)
@@ -513,6 +540,8 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
     q->id_wlen[id] = (uint32_t)wlen;
     q->id_inflight[id] = 1;
     q->inflight++;
+    if (q->packed)
+        q->inflight_slots += ndesc;   /* checked against the ring size while walking */
     if (q->in_order) {
         uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
         q->fifo[tail >= q->size ? tail - q->size : tail] = id;
@@ -599,6 +628,10 @@ static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, 
         d.flags = VQ_ONCE(q->pdesc[slot].flags);
         if (++ndesc > size)
             return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, q->last_avail, ndesc);
+        /* PACKED-D-11/05: a slot of a chain still in flight (the used position has not passed it) offered
+         * again; taking it would let the available position lap the used one */
+        if ((uint32_t)ndesc + q->inflight_slots > size)
+            return vq_dev_fail(q, VQ_ERR_SLOT_IN_FLIGHT, slot, q->inflight_slots);
         id = d.id;
         if (d.flags & VIRTQ_DESC_F_INDIRECT) {
             uint32_t count;
@@ -727,8 +760,8 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
 {
     uint16_t size = q->size, first = q->used_idx, first_flags = 0;
     for (uint32_t i = 0; i < q->shadow_count;) {
-        uint32_t j = vq_dev_batch_end(q, i);
-        uint16_t slot = q->used_idx, adv = 0;
+        uint32_t j = vq_dev_batch_end(q, i), adv = 0;
+        uint16_t slot = q->used_idx;
         struct vring_packed_desc *d = &q->pdesc[slot];
         uint16_t flags = vq_used_bits(q->used_wrap) | (q->shadow_len[j] ? VIRTQ_DESC_F_WRITE : 0);
         d->id = (uint16_t)q->shadow_id[j];   /* INORDER-11/13: last id, at the batch's first slot */
@@ -741,11 +774,14 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
             first_flags = flags;
         else
             VQ_SET(d->flags, flags);   /* after its body, before the first's */
-        q->used_idx += adv;
-        if (q->used_idx >= size) {
-            q->used_idx -= size;
+        /* adv <= inflight_slots <= size (poll refuses slots in flight): one lap at most */
+        uint32_t pos = (uint32_t)q->used_idx + adv;
+        while (pos >= size) {
+            pos -= size;
             q->used_wrap ^= 1;
         }
+        q->used_idx = (uint16_t)pos;
+        q->inflight_slots -= adv;
         q->call_added += adv;
         i = j + 1;
     }
@@ -768,7 +804,8 @@ static inline int vq_dev_call_prepare(struct vq_device *q)
     int need;
     VQ_FENCE();   /* MEM-10: publish used before reading the driver's suppression fields */
     if (q->packed) {
-        uint16_t flags = VQ_ONCE(q->driver_event->flags);
+        /* EVT-19: the peer writes off_wrap, then flags; flags first, with acquire, then off_wrap */
+        uint16_t flags = VQ_ACQUIRE(q->driver_event->flags);
         if (flags == RING_EVENT_FLAGS_DISABLE)
             need = 0;
         else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)
