@@ -152,3 +152,120 @@ def test_split_base_becomes_packed_with_set_features(server, sock_path, caplog):
         assert server.wait(lambda s: queues(server) == (False, True)), queues(server)
         assert "vring 0 cannot start: BaseOutOfRange" in caplog.text
         rebase_and_run(server, fe, 0)
+
+
+# -- one frontend at a time: busy refusal, silent frontends -------------------------------------------------
+
+def test_second_frontend_gets_a_prompt_busy_refusal(server, sock_path, caplog):
+    """While one frontend is served, another is refused at once (logged); our frontend's error is BackendBusy.
+    The first frontend keeps its service."""
+    from rings.errors import BackendBusy
+    from virtio.frontend import VhostUserFrontend, want_features
+    caplog.set_level(logging.INFO, logger="vhost")
+    with ScriptedFrontend(sock_path).connect() as fe:
+        fe.negotiate()
+        for _ in range(2):
+            other = VhostUserFrontend(sock_path, timeout=5.0)
+            t0 = time.monotonic()
+            try:
+                other.connect()
+                with pytest.raises(BackendBusy) as info:
+                    other.negotiate(want_features(VERSION_1=True))
+            finally:
+                other.close()
+            assert time.monotonic() - t0 < 2.0, "the refusal must be prompt, not a reply timeout"
+            assert "busy" in str(info.value) and "serving another frontend" in str(info.value)
+        fe.start()
+        assert server.wait(lambda s: queues(server) == (True, True))
+        assert roundtrip(fe) == 8
+    assert server.wait(lambda s: s.conn is None)
+    assert "refused a frontend: serving another frontend (connection 1)" in caplog.text
+    st = server.server.stats()
+    assert st["refused_busy"] == 2 and st["connections"] == 1
+
+
+def test_silent_frontend_is_dropped_and_the_next_is_served(sock_path, caplog):
+    """A frontend that connects and says nothing is dropped after the handshake timeout; meanwhile others get
+    the busy refusal, afterwards they are served. One that asked GET_FEATURES is not dropped."""
+    import socket as socketmod
+
+    from rings.errors import BackendBusy
+    from virtio.frontend import VhostUserFrontend, want_features
+    caplog.set_level(logging.INFO, logger="vhost")
+    srv = ThreadedServer(sock_path, Options(), handshake_timeout=0.5)
+    silent = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    try:
+        silent.connect(sock_path)
+        assert srv.wait(lambda s: s.conn is not None)
+        fe = VhostUserFrontend(sock_path, timeout=5.0).connect()
+        with pytest.raises(BackendBusy):
+            fe.negotiate(want_features(VERSION_1=True))
+        fe.close()
+        assert srv.wait(lambda s: s.conn is None, timeout=3.0), "the silent frontend was not dropped"
+        assert silent.recv(1) == b""                                    # closed by the server
+        assert "sent no GET_FEATURES within 0.5s of connecting; dropping it" in caplog.text
+        with VhostUserFrontend(sock_path, timeout=5.0).connect() as fe:
+            assert fe.negotiate(want_features(VERSION_1=True))
+            time.sleep(1.0)                                              # past the handshake timeout
+            assert srv.server.conn is not None, "a frontend that negotiated must not be dropped"
+            assert fe.call(R.GET_FEATURES)
+    finally:
+        silent.close()
+        srv.close()
+
+
+# -- a live socket is never taken over -------------------------------------------------------------------
+
+def _vring(*args, timeout=20):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "vring.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_second_vring_vhost_on_a_live_socket_exits_2(tmp_path):
+    """A second `vring vhost` on the socket of a running one: a clear error, exit 2; the first keeps serving.
+    A stale socket file (nobody listens) is replaced."""
+    from vhost.testing import VhostProcess
+    sock = str(tmp_path / "vhost.sock")
+    with VhostProcess(sock, "--fwd", "io") as be:
+        be.wait_socket()
+        ino = os.stat(sock).st_ino
+        r = _vring("vhost", "--socket", sock, "--max-connections", "1")
+        assert r.returncode == 2, r.stderr
+        assert "a server is listening on this socket already; not taking it over" in r.stderr
+        assert os.stat(sock).st_ino == ino
+        with ScriptedFrontend(sock).connect() as fe:                    # still the first one's
+            fe.negotiate()
+        final = be.stop()
+    assert final["connections"] == 1 and final["refused"] == 0
+    import socket as socketmod
+    stale = socketmod.socket(socketmod.AF_UNIX, socketmod.SOCK_STREAM)
+    stale.bind(sock)
+    stale.close()                                                       # a socket file nobody listens on
+    srv = ThreadedServer(sock, Options())
+    try:
+        with ScriptedFrontend(sock).connect() as fe:
+            fe.negotiate()
+    finally:
+        srv.close()
+
+
+def test_ctl_socket_is_never_taken_over(tmp_path):
+    """--ctl: a live control socket makes the second process fail (exit 2) and leave the first alone; the
+    vhost socket it had created is removed again."""
+    from rings.ctl import ControlServer, query
+    from rings.errors import ConfigError
+    ctl = str(tmp_path / "ctl.sock")
+    first = ControlServer(ctl).start()
+    try:
+        with pytest.raises(ConfigError, match="not taking it over"):
+            ControlServer(ctl).start()
+        sock = str(tmp_path / "vhost.sock")
+        r = _vring("vhost", "--socket", sock, "--ctl", ctl)
+        assert r.returncode == 2 and "not taking it over" in r.stderr, r.stderr
+        assert not os.path.exists(sock)
+        assert query(ctl) == []                                          # the first still answers
+    finally:
+        first.close()
+    assert not os.path.exists(ctl)
