@@ -82,11 +82,40 @@ def _eventfd_count(fd):
 
 
 class _Stop:
+    """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
+    --wait sleep through a wakeup pipe), a second one cuts the drain short."""
+
     def __init__(self):
         self.flag = False
+        self.count = 0
+        self.when = None
+        self.signum = None
 
-    def __call__(self, *_):
-        self.flag = True
+    def __call__(self, signum=None, _frame=None):
+        self.count += 1
+        if not self.flag:
+            self.flag, self.when, self.signum = True, time.monotonic(), signum
+
+
+class _SignalWakeup:
+    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a select on its read end returns as
+    soon as a signal arrives, where PEP 475 would resume the sleep after the Python handler ran."""
+
+    def __init__(self):
+        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.old = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+
+    def drain(self):
+        try:
+            while os.read(self.rfd, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self):
+        signal.set_wakeup_fd(self.old)
+        os.close(self.rfd)
+        os.close(self.wfd)
 
 
 def run(cfg: DriverConfig, on_ready=None):
@@ -101,6 +130,7 @@ def run(cfg: DriverConfig, on_ready=None):
     nq = ctl = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    wakeup = _SignalWakeup()
     result = {"config": asdict(cfg)}
     try:
         fe.connect()
@@ -117,11 +147,14 @@ def run(cfg: DriverConfig, on_ready=None):
                       protocol_features=fe.protocol)
         if on_ready:
             on_ready()
-        loop = _Loop(cfg, nq, stop, fe.conn.sock)
+        loop = _Loop(cfg, nq, stop, fe.conn.sock, wakeup)
         t0 = time.monotonic()
         loop.run()
         elapsed = time.monotonic() - t0
+        result["stop"] = loop.stop_info()
         loop.drain()
+        # NET/SPLIT-D-17: Tx buffers the backend never completed (their memory stays the device's)
+        result["tx_unfinished"] = int(nq.tx.inflight)
         result["elapsed_s"] = round(elapsed, 6)
         result["vring_bases"] = fe.stop()
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
@@ -131,6 +164,7 @@ def run(cfg: DriverConfig, on_ready=None):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        wakeup.close()
         try:
             if fe.started and fe.conn is not None and not fe.conn.broken:
                 fe.stop()
@@ -166,10 +200,15 @@ def latency_summary(lat):
 
 
 class _Loop:
-    def __init__(self, cfg, nq, stop, ctl=None):
+    def __init__(self, cfg, nq, stop, ctl=None, wakeup=None):
         self.cfg, self.nq, self.stop = cfg, nq, stop
         self.ctl = ctl                 # the vhost-user socket: watched for the backend going away
+        self.wakeup = wakeup
+        # --wait sleeps wake up for a call, a signal, or the backend's socket becoming readable (it left)
+        self.wake = [x for x in (wakeup.rfd if wakeup else None, ctl) if x is not None]
         self.next_watch = 0.0
+        self.deadline = float("inf")
+        self.t_end = None
         self.tmpl = packets.template(cfg.pkt_size, cfg.dst_mac, cfg.src_mac)
         self.plen = len(self.tmpl)
         self.p_tmpl = ffi.cast("uint8_t *", ffi.from_buffer(self.tmpl))
@@ -230,8 +269,29 @@ class _Loop:
     # -- loops
 
     def run(self):
+        try:
+            self._run()
+        finally:
+            self.t_end = time.monotonic()
+
+    def stop_info(self):
+        """Why the loop ended and how long after the stop was due (a signal, or --seconds) it did."""
+        if self.stop.flag:
+            return {"reason": "signal", "signal": self.stop.signum,
+                    "latency_s": round(self.t_end - self.stop.when, 6)}
+        if self.t_end >= self.deadline:
+            return {"reason": "seconds", "latency_s": round(self.t_end - self.deadline, 6)}
+        return {"reason": "count" if self.cfg.count else "done", "latency_s": 0.0}
+
+    def _idle(self, deadline):
+        """--wait with nothing received: sleep on the Rx call eventfd, the signal wakeup pipe and the
+        vhost-user socket, never past the deadline; then look at once whether to stop."""
+        self.nq.rx.wait(max(0.0, min(0.1, deadline - time.monotonic())), wake=self.wake)
+        return self._done(deadline, watch=True)
+
+    def _run(self):
         cfg = self.cfg
-        deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
+        deadline = self.deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
@@ -257,8 +317,8 @@ class _Loop:
                 if n < 0:
                     self.nq.rx.vq._fail()
                 if n == 0:
-                    if self.cfg.wait:
-                        self.nq.rx.wait(0.1)
+                    if self.cfg.wait and self._idle(deadline):
+                        break
                     continue
                 self._check(n)
                 if self.lat is not None:
@@ -274,26 +334,35 @@ class _Loop:
             if loop(rx, tx, p_idx, p_lens, b, spin, 64) < 0:
                 self._raise()
 
-    def _done(self, deadline):
-        """Stop asked, time up, or (checked every 0.1 s) the backend closed the vhost-user socket."""
+    def _done(self, deadline, watch=False):
+        """Stop asked, time up, or (checked every 0.1 s, or now with ``watch``) the backend closed the
+        vhost-user socket."""
         if self.stop.flag:
             return True
         t = time.monotonic()
         if t >= deadline:
             return True
-        if self.ctl is not None and t >= self.next_watch:
+        if self.ctl is not None and (watch or t >= self.next_watch):
             self.next_watch = t + 0.1
-            r, _, _ = select.select([self.ctl], [], [], 0)
-            if r:
-                try:
-                    data = self.ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    data = None
-                except OSError:
-                    data = b""
-                if data == b"":
-                    raise PeerGone("the backend closed the vhost-user connection while the driver was running")
+            if self.wakeup is not None:
+                self.wakeup.drain()
+            if self._peer_gone():
+                raise PeerGone("the backend closed the vhost-user connection while the driver was running")
         return False
+
+    def _peer_gone(self):
+        r, _, _ = select.select([self.ctl], [], [], 0)
+        if not r:
+            return False
+        try:
+            data = self.ctl.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        if data and self.ctl in self.wake:   # unexpected bytes: stop waking on them (no busy loop)
+            self.wake.remove(self.ctl)
+        return data == b""
 
     def _raise(self):
         if self.nq.rx.c.q.error:
@@ -327,8 +396,8 @@ class _Loop:
                 if n:
                     self._check(n)
                     lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
-                elif cfg.wait:
-                    rx.wait(0.1)
+                elif cfg.wait and self._idle(deadline):
+                    break
                 it += 1
                 if not it & 255 and self._done(deadline):
                     break
@@ -342,18 +411,28 @@ class _Loop:
                 break
 
     def drain(self):
-        """Tx: reclaim until nothing is in flight; Rx: receive (and free) whatever comes for cfg.drain s."""
+        """Tx: reclaim until nothing is in flight; Rx: receive (and free) whatever comes for cfg.drain s.
+        Cut short by a second signal, or when the backend has left (nothing more will come)."""
         nq, cfg = self.nq, self.cfg
         tx = nq.tx
         tx.flush()
         end = time.monotonic() + max(cfg.drain, 0.05) + 1.0
-        while tx.inflight and time.monotonic() < end:
+        while tx.inflight and time.monotonic() < end and not self._drain_stop():
             tx.cleanup(0)
             self._drain_rx()
         end = time.monotonic() + cfg.drain
-        while time.monotonic() < end:
+        while time.monotonic() < end and not self._drain_stop():
             if not self._drain_rx():
                 time.sleep(0.001)
+
+    def _drain_stop(self):
+        if self.stop.count >= 2:
+            return True
+        t = time.monotonic()
+        if self.ctl is None or t < self.next_watch:
+            return False
+        self.next_watch = t + 0.05
+        return self._peer_gone()
 
     def _drain_rx(self):
         n = lib.vn_rx_burst(self.nq.rx.c, self.p_idx, self.p_lens, self.cfg.burst)

@@ -37,6 +37,9 @@ def register(sub):
     p.add_argument("--buf-size", type=int, default=2048,
                    help="pool buffer size incl. 128 B headroom (small buffers: chained Tx, merged Rx)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
+                        "them); without it that is a warning (and tx_unfinished in the counters)")
     p.add_argument("--verify", action="store_true",
                    help="check every received frame: MACs swapped, payload intact, sequence numbers")
     p.add_argument("--stamp", action="store_true", help="timestamp generated frames (CLOCK_MONOTONIC ns)")
@@ -84,6 +87,7 @@ def main(args):
             print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise
+    unfinished = res.get("tx_unfinished", 0)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
@@ -96,4 +100,11 @@ def main(args):
             print(f"latency: {res['latency']}")
         if "verify" in res:
             print(f"verify: {res['verify']}")
+    if unfinished:
+        what = (f"{unfinished} Tx buffer{'s' * (unfinished != 1)} still in flight at exit: the backend never "
+                f"completed them")
+        if args.strict:
+            print(f"vring driver: TxUnfinished: {what}", file=sys.stderr)
+            return 2
+        print(f"vring driver: warning: {what} (--strict makes this an error)", file=sys.stderr)
     return 0
