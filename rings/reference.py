@@ -17,11 +17,11 @@ from .errors import (AddressOutOfBounds, AvailIdxJump, BaseOutOfRange, BufferIdI
                      ConfigError, HeadOutOfRange, IndirectEmpty, IndirectLength, IndirectWithNext,
                      NestedIndirect, NextOutOfRange, PackedIdOutOfRange, RingError, SlotInFlight, UsageError,
                      UsedIdNotInFlight, UsedIdxJump, UsedLenTooLarge, WritableBeforeReadable)
-from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
+from .layout import (ALIGN, RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
                      VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED,
                      VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT,
-                     VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY, area_sizes, has,
-                     need_event, packed_need_event)
+                     VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY, area_sizes,
+                     check_host_alignment, has, need_event, packed_need_event)
 from . import rawdump as _rawdump
 from .snapshot import device_snapshot, driver_snapshot
 
@@ -90,23 +90,27 @@ class _Queue:
         self.event_idx = has(features, VIRTIO_F_EVENT_IDX)
         self.broken = None
         dsz, drv, dev = area_sizes(layout.fmt, layout.size)
-        self.desc = self._area(layout.desc, dsz, "descriptor area")
+        a_desc, a_drv, a_dev = ALIGN[layout.fmt]
+        self.desc = self._area(layout.desc, dsz, "descriptor area", a_desc)
         if self.packed:
-            self.driver_event = self._area(layout.driver, drv, "driver event suppression area")
-            self.device_event = self._area(layout.device, dev, "device event suppression area")
+            self.driver_event = self._area(layout.driver, drv, "driver event suppression area", a_drv)
+            self.device_event = self._area(layout.device, dev, "device event suppression area", a_dev)
         else:
-            self.avail = self._area(layout.driver, drv, "available ring")
-            self.used = self._area(layout.device, dev, "used ring")
+            self.avail = self._area(layout.driver, drv, "available ring", a_drv)
+            self.used = self._area(layout.device, dev, "used ring", a_dev)
         n = self.size
         self.id_ndesc = [0] * n    # ring descriptors per buffer id
         self.id_wlen = [0] * n     # writable bytes per buffer id
         self.id_inflight = [0] * n
 
-    def _area(self, gpa, nbytes, what):
+    def _area(self, gpa, nbytes, what, align=None):
         try:
-            return self.mem.view(gpa, nbytes)
+            view = self.mem.view(gpa, nbytes)
         except AddressOutOfBounds:
             raise ConfigError(f"{what} {gpa:#x}+{nbytes:#x} is outside the memory table") from None
+        if align:   # as the C path requires (its atomic accesses); the model does not depend on it
+            check_host_alignment(what, gpa, np.frombuffer(view, np.uint8).ctypes.data, align)
+        return view
 
     @staticmethod
     def _get16(view, off):
@@ -165,7 +169,7 @@ class DriverQueue(_Queue):
             gpa, max_entries = indirect
             if not 2 <= max_entries <= n:  # a longer table is a chain longer than the queue (SPLIT-D-05)
                 raise ConfigError(f"indirect tables must hold 2..{n} entries, not {max_entries}")
-            self.tables = self._area(gpa, n * max_entries * 16, "indirect area")
+            self.tables = self._area(gpa, n * max_entries * 16, "indirect area", 16)
             self.indirect = (gpa, max_entries)
         if self.packed:
             self._place = self._place_packed

@@ -9,8 +9,8 @@ from . import errors
 from . import rawdump as _rawdump
 from ._virtq import ffi, lib
 from .errors import ConfigError, UsageError
-from .layout import (VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC,
-                     VIRTIO_F_RING_PACKED, area_sizes, has)
+from .layout import (ALIGN, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC,
+                     VIRTIO_F_RING_PACKED, area_sizes, check_host_alignment, has)
 
 
 class CMemory:
@@ -99,6 +99,10 @@ class _Queue:
                                     self.mem.host(layout.device, dev))
         except errors.AddressOutOfBounds as e:
             raise ConfigError(f"ring area outside the memory table: {e}") from None
+        for what, gpa, ptr, align in zip(("descriptor area", "driver area", "device area"),
+                                         (layout.desc, layout.driver, layout.device), (desc, driver, device),
+                                         ALIGN[layout.fmt]):
+            check_host_alignment(what, gpa, int(ffi.cast("uintptr_t", ptr)), align)
         if layout.packed:
             c.pdesc = ffi.cast("struct vring_packed_desc *", desc)
             c.driver_event = ffi.cast("struct vring_packed_event *", driver)
@@ -162,6 +166,7 @@ class DriverQueue(_Queue):
             c.indirect_max = max_entries
             c.indirect_gpa = gpa
             c.indirect_host = self.mem.host(gpa, n * max_entries * 16)
+            check_host_alignment("indirect area", gpa, int(ffi.cast("uintptr_t", c.indirect_host)), 16)
             self.indirect = (gpa, max_entries)
         self._out_tokens = np.zeros(n, np.uint64)
         self._out_lens = np.zeros(n, np.uint32)

@@ -395,3 +395,41 @@ def test_set_base_needs_an_idle_queue(impl):
     with pytest.raises(errors.UsageError):
         r.dev.set_base(0x8000)
     assert r.dev.broken is None
+
+
+# ---- found by fuzz/ (ring_device): alignment (issue 8) ---------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+@pytest.mark.parametrize("misalign", [1, 2, 8])
+def test_indirect_table_at_any_address(impl, fmt, misalign):
+    """No alignment is required of an indirect table: one at TABLE + misalign reads like an aligned one.
+    (The C path read it through struct pointers: undefined behaviour, reported by UBSan under fuzz/.)"""
+    r = Ring(impl, fmt, bit(VIRTIO_F_INDIRECT_DESC))
+    r.add_one()
+    dtype = split_desc_dtype if fmt == "split" else packed_desc_dtype
+    entries = [(DATA, 16, VIRTQ_DESC_F_NEXT, 1), (DATA + 64, 32, VIRTQ_DESC_F_WRITE, 0)] if fmt == "split" else \
+        [(DATA, 16, 0, 0), (DATA + 64, 32, 0, VIRTQ_DESC_F_WRITE)]
+    raw = np.zeros(2, dtype)
+    for i, e in enumerate(entries):
+        raw[i] = e
+    r.buf[TABLE - BASE + misalign:TABLE - BASE + misalign + 32] = raw.tobytes()
+    r.desc[0]["addr"], r.desc[0]["len"] = TABLE + misalign, 32
+    r.desc[0]["flags"] |= VIRTQ_DESC_F_INDIRECT
+    ch = r.dev.poll()
+    assert ch.n == 1 and ch.segments(0) == [(DATA, 16, 0), (DATA + 64, 32, 1)]
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_ring_misaligned_in_this_process_is_refused(impl, fmt):
+    """A region mapped at an offset that breaks the rings' alignment in this process (a vhost-user memory table
+    whose mmap_offset disagrees with its guest address) is refused up front, not accessed misaligned."""
+    buf = bytearray(MEMSIZE + 16)
+    mem = MemoryTable([(BASE, MEMSIZE, buf, 2)])   # guest BASE (16-aligned) at buffer offset 2
+    layout = QueueLayout.contiguous(fmt, SIZE, BASE)
+    feats = bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    if (base + 2) % 16 == 0:
+        pytest.skip("the buffer happens to be aligned so that offset 2 is aligned")
+    for half in (impl.DeviceQueue, impl.DriverQueue):
+        with pytest.raises(errors.ConfigError, match="not 16-byte aligned"):
+            half(mem, layout, feats)

@@ -505,6 +505,13 @@ static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t
     return 0;
 }
 
+/* Entry j of an indirect table, copied out: the driver may place a table at any address (no alignment is
+ * required of it), and it does not change while available, so a plain byte copy is the right read. */
+static inline void vq_copy_indirect(void *entry, const uint8_t *table, uint32_t j)
+{
+    memcpy(entry, table + (size_t)j * 16, 16);
+}
+
 /* Validate an indirect descriptor and return its table (SPLIT-V-14, SPLIT-D-09). */
 static inline const uint8_t *vq_dev_indirect(struct vq_device *q, uint64_t addr, uint32_t len, uint32_t *count)
 {
@@ -554,16 +561,20 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
 static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, uint16_t head)
 {
     uint16_t size = q->size;
-    const struct vring_desc *table = q->desc;
+    const uint8_t *table = 0;   /* the indirect table, once in one */
     uint32_t limit = size, hops = 0, i = head, s = c->nsegs, ring_descs = 0;
     int in_indirect = 0, seen_w = 0, r;
     uint64_t rlen = 0, wlen = 0;
     for (;;) {
         struct vring_desc d;
-        d.addr = VQ_ONCE(table[i].addr);
-        d.len = VQ_ONCE(table[i].len);
-        d.flags = VQ_ONCE(table[i].flags);
-        d.next = VQ_ONCE(table[i].next);
+        if (in_indirect) {
+            vq_copy_indirect(&d, table, i);
+        } else {
+            d.addr = VQ_ONCE(q->desc[i].addr);
+            d.len = VQ_ONCE(q->desc[i].len);
+            d.flags = VQ_ONCE(q->desc[i].flags);
+            d.next = VQ_ONCE(q->desc[i].next);
+        }
         if (++hops > limit)
             return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, head, hops);
         ring_descs += !in_indirect;
@@ -572,7 +583,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
                 return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);
             if (d.flags & VIRTQ_DESC_F_NEXT)
                 return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, head, i);
-            table = (const struct vring_desc *)vq_dev_indirect(q, d.addr, d.len, &limit);
+            table = vq_dev_indirect(q, d.addr, d.len, &limit);
             if (!table)
                 return -1;
             in_indirect = 1;
@@ -637,17 +648,15 @@ static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, 
             uint32_t count;
             if ((d.flags & VIRTQ_DESC_F_NEXT) || ndesc > 1)   /* PACKED-D-20 */
                 return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, q->last_avail, slot);
-            const struct vring_packed_desc *t =
-                (const struct vring_packed_desc *)vq_dev_indirect(q, d.addr, d.len, &count);
+            const uint8_t *t = vq_dev_indirect(q, d.addr, d.len, &count);
             if (!t)
                 return -1;
             for (uint32_t j = 0; j < count; j++) {   /* PACKED-V-13: sequential, only WRITE counts */
-                uint64_t a = VQ_ONCE(t[j].addr);
-                uint32_t l = VQ_ONCE(t[j].len);
-                uint16_t f = VQ_ONCE(t[j].flags);
-                if (f & VIRTQ_DESC_F_INDIRECT)
+                struct vring_packed_desc e;
+                vq_copy_indirect(&e, t, j);
+                if (e.flags & VIRTQ_DESC_F_INDIRECT)
                     return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, q->last_avail, j);
-                r = vq_dev_emit(q, c, &s, a, l, !!(f & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
+                r = vq_dev_emit(q, c, &s, e.addr, e.len, !!(e.flags & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
                 if (r)
                     return r;
             }
