@@ -113,11 +113,15 @@ class Server:
                 log.warning("accept failed: %s", e)
                 return
             conn = vu.Connection(sock)
+        self.attach(conn)
+        log.info("connection accepted")
+
+    def attach(self, conn: vu.Connection):
+        """Serve this connected frontend from now on (also for tests and fuzzing: a socketpair end)."""
         self.conn = conn
         self.device = NetDevice(self.options, **self.device_kw)
         self._greeted = False
         self._handshake_deadline = time.monotonic() + self.handshake_timeout
-        log.info("connection accepted")
 
     def _refuse_busy(self):
         """Another frontend connects while one is served: a prompt refusal (a busy notice, then close)."""
