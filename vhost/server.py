@@ -4,10 +4,11 @@ Single-threaded: the loop alternates a time slice of the C data path (when the d
 non-blocking look at the sockets, so control messages and forwarding never race. One frontend at a time: a
 second connection gets a busy notice (``rings.vhost_user.busy_notice``) and is closed at once, and a frontend
 that has not asked GET_FEATURES within ``handshake_timeout`` seconds of connecting is dropped, so that a silent
-one cannot block the socket. Every message is decoded and
-validated (``rings.vhost_user.decode``) before the device sees it. A message that is malformed or cannot be
-honoured is logged and refused: NACK (u64 1) if it asked for a reply, else the connection is closed, as DPDK
-does. A frontend that leaves (or is dropped) leaves the server ready for the next one; in ``client`` mode the
+one cannot block the socket.
+
+Every message is decoded and validated (``rings.vhost_user.decode``) before the device sees it. A message that
+is malformed or cannot be honoured is logged and refused: NACK (u64 1) if it asked for a reply, else the
+connection is closed, as DPDK does. A frontend that leaves (or is dropped) leaves the server ready for the next one; in ``client`` mode the
 server connects out and reconnects every ``reconnect_s``.
 """
 from __future__ import annotations
