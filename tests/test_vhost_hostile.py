@@ -44,6 +44,10 @@ def setup_vrings(fe, nums, bases):
     fe.call(R.SET_MEM_TABLE, vu.pack_mem_table([fe.mem_region()]), [fe.shm.fileno()], need_reply=True)
     vring_setup(fe, 0, nums[0], bases[0])
     vring_setup(fe, 1, nums[1], bases[1])
+    enable_both(fe)
+
+
+def enable_both(fe):
     for i in range(2):
         fe.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
     fe.call(R.SET_STATUS, vu.pack_u64(0xF), need_reply=True)
@@ -99,9 +103,7 @@ def test_packed_base_before_num_outside_ring_does_not_start(server, sock_path, c
         fe.call(R.SET_VRING_BASE, vu.VringState(0, 0x8000 | 0x7FF0).pack())   # before NUM: unchecked
         vring_setup(fe, 0, 256, None)
         vring_setup(fe, 1, 256, 0x8000)
-        for i in range(2):
-            fe.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
-        fe.call(R.SET_STATUS, vu.pack_u64(0xF), need_reply=True)
+        enable_both(fe)
         assert server.wait(lambda s: queues(server) == (False, True)), queues(server)
         assert "vring 0 cannot start: BaseOutOfRange" in caplog.text
         assert "after SET_VRING_NUM 256 the packed base 0xfff0" in caplog.text
@@ -146,9 +148,7 @@ def test_split_base_becomes_packed_with_set_features(server, sock_path, caplog):
         fe.call(R.SET_VRING_ADDR, fe.vring_addr(0).pack())
         fe.call(R.SET_VRING_KICK, vu.VringFile(0).pack(), [fe.kickfds[0]])
         vring_setup(fe, 1, 256, 0x8000)
-        for i in range(2):
-            fe.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
-        fe.call(R.SET_STATUS, vu.pack_u64(0xF), need_reply=True)
+        enable_both(fe)
         assert server.wait(lambda s: queues(server) == (False, True)), queues(server)
         assert "vring 0 cannot start: BaseOutOfRange" in caplog.text
         rebase_and_run(server, fe, 0)

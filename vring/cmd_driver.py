@@ -2,9 +2,9 @@
 import json
 import sys
 
-from rings import rawdump
-
 from virtio.app import DriverConfig, run
+
+from . import snapshot_options
 
 
 def register(sub):
@@ -54,12 +54,7 @@ def register(sub):
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
     p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
-    p.add_argument("--snapshot-dir", metavar="DIR", default=None,
-                   help="private directory (0700, created when missing) where a queue broken by hostile input "
-                        "writes its raw ring snapshot (default: $VRING_SNAPSHOT_DIR, else "
-                        "$XDG_RUNTIME_DIR/vring-snapshots or <tmp>/vring-snapshots-<uid>)")
-    p.add_argument("--snapshot-keep", metavar="N", type=int, default=None,
-                   help="keep the newest N snapshots there (default: $VRING_SNAPSHOT_KEEP, else 32)")
+    snapshot_options.add(p)
     p.add_argument("--dst-mac", default=DriverConfig.dst_mac)
     p.add_argument("--src-mac", default=DriverConfig.src_mac)
     p.set_defaults(run=main)
@@ -74,11 +69,10 @@ def main(args):
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
         ctl=args.ctl)
-    rawdump.set_snapshot_dir(args.snapshot_dir or rawdump.DEFAULT)
-    if args.snapshot_keep is not None and args.snapshot_keep < 1:
-        print(f"vring driver: --snapshot-keep must be >= 1, not {args.snapshot_keep}", file=sys.stderr)
+    error = snapshot_options.apply(args)
+    if error:
+        print(f"vring driver: {error}", file=sys.stderr)
         return 2
-    rawdump.set_snapshot_keep(args.snapshot_keep)
     try:
         res = run(cfg)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures

@@ -4,9 +4,10 @@ import os
 import signal
 import sys
 
-from rings import rawdump
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
+
+from . import snapshot_options
 
 
 def register(sub):
@@ -44,12 +45,7 @@ def register(sub):
     p.add_argument("--timing", action="store_true",
                    help="measure the time spent in iterations that moved packets (busy_ns counter)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
-    p.add_argument("--snapshot-dir", metavar="DIR", default=None,
-                   help="private directory (0700, created when missing) where a queue broken by hostile input "
-                        "writes its raw ring snapshot (default: $VRING_SNAPSHOT_DIR, else "
-                        "$XDG_RUNTIME_DIR/vring-snapshots or <tmp>/vring-snapshots-<uid>)")
-    p.add_argument("--snapshot-keep", metavar="N", type=int, default=None,
-                   help="keep the newest N snapshots there (default: $VRING_SNAPSHOT_KEEP, else 32)")
+    snapshot_options.add(p)
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.set_defaults(run=run)
 
@@ -74,11 +70,9 @@ def run(args):
             return _error(f"cannot pin to CPU {args.pin}: {e}")
     if args.handshake_timeout <= 0:
         return _error("--handshake-timeout must be > 0")
-    try:
-        rawdump.set_snapshot_keep(args.snapshot_keep)
-    except ConfigError as e:
-        return _error(e)
-    rawdump.set_snapshot_dir(args.snapshot_dir or rawdump.DEFAULT)
+    error = snapshot_options.apply(args)
+    if error:
+        return _error(error)
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
