@@ -153,7 +153,7 @@ def run(cfg: DriverConfig, on_ready=None):
         elapsed = time.monotonic() - t0
         result["stop"] = loop.stop_info()
         loop.drain()
-        # NET/SPLIT-D-17: Tx buffers the backend never completed (their memory stays the device's)
+        # Tx buffers the backend never completed: their memory still belongs to the device
         result["tx_unfinished"] = int(nq.tx.inflight)
         result["elapsed_s"] = round(elapsed, 6)
         result["vring_bases"] = fe.stop()
