@@ -75,6 +75,18 @@ class Vring:
             setattr(self, attr, UNSET)
 
 
+def _without_frames(e):
+    """The error, kept, without the frames it was raised through: they hold the queue that failed to start and
+    through it the guest memory mapping, which a later SET_MEM_TABLE or disconnect could then not unmap (its
+    fd stayed open until a garbage collection)."""
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
+
+
 class NetDevice:
     """State of one vhost-user connection: features, memory table, two vrings, and the running data path."""
 
@@ -370,7 +382,7 @@ class NetDevice:
                     base = used_idx
             q.set_base(base)   # the ring engine bounds it (BaseOutOfRange), whatever was checked above
         except (Refused, VringError) as e:
-            v.broken = e
+            v.broken = _without_frames(e)
             log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
             return None
         q.enable_kicks(False)   # we poll (as net_vhost does): the driver need not kick
