@@ -107,3 +107,14 @@ def test_fuzz_findings_stay_fixed(target, name):
     """Every input a fuzz run found is replayed under the sanitizers (fuzz/regressions/TARGET/)."""
     r = run_py(target, "--repro", os.path.join(FUZZ, "regressions", target, name))
     assert r.returncode == 0 and "ran without a finding" in r.stdout, (r.stdout + r.stderr)[-4000:]
+
+
+def test_vhost_backend_oracle_sees_an_internal_error(targets, monkeypatch):
+    """The server catches a bug of its own (and keeps serving): the target must still call it a finding."""
+    from vhost.device import NetDevice
+
+    def broken(self, msg, value):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(NetDevice, "_get_features", broken)
+    with pytest.raises(AssertionError, match="internal error"):
+        targets["vhost_backend"].TestOneInput(targets["vhost_backend"].seeds()[0])
