@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rings import vhost_user as vu
+from rings.errors import ProtocolNack
 from rings.layout import QueueLayout
 from rings.virtq import DriverQueue
 from vhost.datapath import Options
@@ -311,3 +312,23 @@ def test_queue_that_cannot_start_releases_the_memory_table(server, sock_path, wh
         assert server.wait(lambda s: s.conn is None and _mapped_fds(name) == 0), "a region outlived its connection"
     finally:
         gc.enable()
+
+
+def test_ring_size_left_by_the_other_format_is_refused_not_an_internal_error(server, sock_path, caplog):
+    """Found by fuzz/vhost_backend: SET_VRING_NUM 75 under packed features (a valid packed size), then
+    SET_FEATURES switching to split: the next SET_VRING_ADDR computed the split layout of 75 entries and the
+    ConfigError escaped as an internal error. Now it is a refusal naming the size; the vring can be set again."""
+    caplog.set_level(logging.ERROR, logger="vhost")
+    with ScriptedFrontend(sock_path, packed=True).connect() as fe:
+        fe.negotiate()
+        fe.call(R.SET_MEM_TABLE, vu.pack_mem_table([fe.mem_region()]), [fe.shm.fileno()], need_reply=True)
+        fe.call(R.SET_VRING_NUM, vu.VringState(0, 75).pack(), need_reply=True)
+        fe.features &= ~(1 << 34)
+        fe.call(R.SET_FEATURES, vu.pack_u64(fe.features), need_reply=True)
+        fe.packed, fe.fmt = False, "split"
+        with pytest.raises(ProtocolNack):
+            fe.call(R.SET_VRING_ADDR, fe.vring_addr(0).pack(), need_reply=True)
+        assert "split queue size must be a power of 2, got 75 (send SET_VRING_NUM again)" in caplog.text
+        assert "internal error" not in caplog.text
+        fe.call(R.SET_VRING_NUM, vu.VringState(0, 256).pack(), need_reply=True)
+        fe.call(R.SET_VRING_ADDR, fe.vring_addr(0).pack(), need_reply=True)

@@ -281,7 +281,10 @@ class NetDevice:
 
     def _layout(self, v, a):
         fmt = "packed" if self.packed else "split"
-        dsz, drv, dev = area_sizes(fmt, v.num)
+        try:   # a size set under the other format (SET_FEATURES changed it since) may not fit this one
+            dsz, drv, dev = area_sizes(fmt, v.num)
+        except ConfigError as e:
+            raise Refused(f"vring {v.index}: {e} (send SET_VRING_NUM again)") from None
         desc = self.uaddr_to_gpa(a.desc, dsz, f"vring {v.index} descriptor area")
         driver = self.uaddr_to_gpa(a.avail, drv, f"vring {v.index} driver area")
         device = self.uaddr_to_gpa(a.used, dev, f"vring {v.index} device area")
