@@ -19,13 +19,16 @@ def ring_cdef():
     return cdef_of(os.path.join(CSRC, "virtq_types.h"))
 
 
-def package_ffi(module, csrc, header, types_header, functions, opt="-O2"):
+def package_ffi(module, csrc, header, types_header, functions, opt="-O2", extra_compile_args=(),
+                extra_link_args=()):
     """The FFI builder of another package's C burst loops: its ``header`` (in ``csrc``) includes the ring
-    primitives of csrc/virtq.h; the cdef is the ring structs, then ``types_header``, then ``functions``."""
+    primitives of csrc/virtq.h; the cdef is the ring structs, then ``types_header``, then ``functions``.
+    (``extra_*_args``: for separate builds such as fuzz/'s sanitizer build; the package build uses none.)"""
     ffi = FFI()
     ffi.cdef(ring_cdef() + cdef_of(os.path.join(csrc, types_header)) + functions)
     ffi.set_source(module, f'#include "{header}"', include_dirs=[csrc, CSRC],
-                   extra_compile_args=[opt, "-std=gnu11"],
+                   extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
+                   extra_link_args=list(extra_link_args),
                    depends=sorted(glob.glob(os.path.join(csrc, "*.h")))   # every header it may include
                    + [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")])
     return ffi
@@ -40,6 +43,7 @@ void vq_drv_publish(struct vq_driver *q);
 int vq_drv_kick_prepare(struct vq_driver *q);
 int vq_drv_reclaim(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max);
 void vq_drv_enable_calls(struct vq_driver *q, int on);
+int vq_dev_set_base(struct vq_device *q, uint32_t base, uint32_t taken);
 int vq_dev_poll(struct vq_device *q, struct vq_chains *c, uint32_t max);
 int vq_dev_push_used(struct vq_device *q, const uint32_t *ids, const uint32_t *lens, uint32_t n);
 void vq_dev_flush(struct vq_device *q);
@@ -48,15 +52,23 @@ void vq_dev_enable_kicks(struct vq_device *q, int on);
 uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len);
 """
 
-ffibuilder = FFI()
-ffibuilder.cdef(CDEF)
-ffibuilder.set_source(
-    "rings._virtq",
-    '#include "virtq.h"',
-    include_dirs=[CSRC],
-    extra_compile_args=["-O2", "-std=gnu11"],
-    depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")],
-)
+
+def rings_ffi(opt="-O2", extra_compile_args=(), extra_link_args=()):
+    """The FFI builder of rings._virtq (``extra_*_args``: for separate builds, e.g. fuzz/'s sanitizer build)."""
+    ffi = FFI()
+    ffi.cdef(CDEF)
+    ffi.set_source(
+        "rings._virtq",
+        '#include "virtq.h"',
+        include_dirs=[CSRC],
+        extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
+        extra_link_args=list(extra_link_args),
+        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")],
+    )
+    return ffi
+
+
+ffibuilder = rings_ffi()
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

@@ -27,6 +27,7 @@ import threading
 
 from . import rawdump
 from .errors import VringError
+from .vhost_user import listen_unix
 
 MAX_REQUEST = 1 << 16
 
@@ -39,6 +40,7 @@ class ControlServer:
         self._sock = None
         self._thread = None
         self._closing = threading.Event()
+        self._ino = None
 
     def register(self, name, queue):
         with self._lock:
@@ -66,22 +68,12 @@ class ControlServer:
         return q
 
     def start(self):
-        """Bind (replacing a stale socket file), listen, and serve in a daemon thread."""
+        """Bind (replacing a stale socket file, never a live one: ConfigError), listen, and serve in a daemon
+        thread."""
         if self._sock is not None:
             return self
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)  # the socket file is created 0600
-        try:
-            s.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        s.listen(8)
+        s = listen_unix(self.path, backlog=8)   # mode 0600
+        self._ino = os.lstat(self.path).st_ino
         s.settimeout(0.2)
         self._sock = s
         self._thread = threading.Thread(target=self._serve, name=f"vring-ctl {self.path}", daemon=True)
@@ -94,9 +86,11 @@ class ControlServer:
             self._thread.join(timeout=5)
         if self._sock is not None:
             self._sock.close()
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
+            try:   # our socket file, not one somebody else bound there since
+                st = os.lstat(self.path)
+                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._ino:
+                    os.unlink(self.path)
+            except OSError:
                 pass
         self._sock = self._thread = None
 

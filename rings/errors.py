@@ -38,6 +38,10 @@ class PeerGone(ProtocolError):
     """The vhost-user peer closed the socket."""
 
 
+class BackendBusy(PeerGone):
+    """The vhost-user backend serves another frontend and refused this connection (it serves one at a time)."""
+
+
 class ProtocolTimeout(ProtocolError):
     """The vhost-user peer did not answer in time."""
 
@@ -126,6 +130,16 @@ class UsedLenTooLarge(RingError):
 
 class UsedIdxJump(RingError):
     code, spec = 15, "SPLIT-D-17"
+
+
+class SlotInFlight(RingError):
+    """Packed: the driver made a slot available again while the chain holding it is still in flight."""
+    code, spec = 16, "PACKED-D-11/PACKED-D-05"
+
+
+class BaseOutOfRange(RingError):
+    """A vring base (vhost-user SET_VRING_BASE) that is no position of this ring (packed: slot >= size)."""
+    code, spec = 17, "vhost-user SET_VRING_BASE"
 
 
 RING_ERRORS = {cls.code: cls for cls in RingError.__subclasses__()}

@@ -126,6 +126,16 @@ def area_sizes(fmt, size):
 ALIGN = {"split": (16, 2, 4), "packed": (16, 4, 4)}  # SPLIT-L-02, PACKED-L-03
 
 
+def check_host_alignment(what, gpa, host, align):
+    """A ring area must be aligned where this process maps it too: its fields are read and published with
+    atomic accesses (a misaligned one is undefined behaviour, and a split lock where it crosses a cache line).
+    A memory region whose mmap offset is not congruent to its guest address breaks that."""
+    if host % align:
+        raise ConfigError(f"{what} at guest address {gpa:#x} is mapped at a host address that is not "
+                          f"{align}-byte aligned (the region's mmap offset and guest address disagree modulo "
+                          f"{align})")
+
+
 def align_up(x, a):
     return (x + a - 1) & ~(a - 1)
 

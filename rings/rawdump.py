@@ -22,11 +22,20 @@ A ``RawSnapshot`` has that same interface, so ``snapshot()`` decodes it with rin
 Broken-queue hook: ``set_snapshot_dir(path)`` (or the VRING_SNAPSHOT_DIR environment variable, read when
 a queue breaks) turns on ``on_broken(q, err)``: both ring implementations call it the first time a
 RingError breaks a queue; it writes a raw snapshot there, sets ``err.snapshot_path`` and appends
-" (ring snapshot: PATH)" to the message. Off by default.
+" (ring snapshot: PATH)" to the message. Off by default; ``set_snapshot_dir(DEFAULT)`` (what the commands
+do) means VRING_SNAPSHOT_DIR if set, else ``default_snapshot_dir()``, a directory of this user's.
+
+The directory must be private: created mode 0700 when missing (with its parents); an existing one must be a
+directory (not a symlink) owned by this user that nobody else can write, else nothing is written and the
+error says why. A snapshot is created with O_EXCL | O_NOFOLLOW (mode 0600) under a fresh name, so a planted
+file or symlink is never written through; then only the newest ``keep`` snapshots of that directory are
+kept (``set_snapshot_keep``, VRING_SNAPSHOT_KEEP, default 32).
 """
 import itertools
 import json
 import os
+import stat
+import tempfile
 import threading
 import time
 
@@ -97,14 +106,34 @@ class RawSnapshot:
         return MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n" + b"".join(parts)
 
     def save(self, path):
-        """Write the file (atomically: a temporary name, then rename), mode 0600. Returns the path."""
+        """Write the file (atomically: a fresh temporary name opened O_EXCL | O_NOFOLLOW, so that nothing
+        planted there is written through, then rename over ``path``), mode 0600. Returns the path."""
         path = os.fspath(path)
-        tmp = f"{path}.tmp{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.dumps())
-        os.replace(tmp, path)
+        for n in itertools.count():
+            tmp = f"{path}.tmp{os.getpid()}-{n}"
+            try:
+                fd = os.open(tmp, _EXCL_FLAGS, 0o600)
+                break
+            except FileExistsError:
+                continue
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(self.dumps())
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
         return path
+
+
+_EXCL_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _unlink_quietly(path, dir_fd=None):
+    try:
+        os.unlink(path, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def _rebuild_error(info):
@@ -330,19 +359,114 @@ def save(q, path, meta=None):
 # --- the broken-queue hook ------------------------------------------------------------------------------
 
 _snapshot_dir = None
+_keep = None
 _counter = itertools.count(1)
 _lock = threading.Lock()
 ENV = "VRING_SNAPSHOT_DIR"
+ENV_KEEP = "VRING_SNAPSHOT_KEEP"
+DEFAULT = "<default>"   # set_snapshot_dir(DEFAULT): $VRING_SNAPSHOT_DIR, else default_snapshot_dir()
+DEFAULT_KEEP = 32
+_PREFIX, _SUFFIX = "vring-", ".raw"
+
+
+def default_snapshot_dir():
+    """This user's snapshot directory: $XDG_RUNTIME_DIR/vring-snapshots, else <tmp>/vring-snapshots-<uid>
+    (a fixed name in a shared directory is safe because the directory must be ours and private)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return os.path.join(runtime, "vring-snapshots")
+    return os.path.join(tempfile.gettempdir(), f"vring-snapshots-{os.geteuid()}")
 
 
 def set_snapshot_dir(path):
-    """Where broken queues write their raw snapshot (None: off, unless VRING_SNAPSHOT_DIR is set)."""
+    """Where broken queues write their raw snapshot (None: off, unless VRING_SNAPSHOT_DIR is set; DEFAULT:
+    VRING_SNAPSHOT_DIR, else this user's default directory)."""
     global _snapshot_dir
-    _snapshot_dir = None if path is None else os.fspath(path)
+    _snapshot_dir = None if path is None else path if path is DEFAULT else os.fspath(path)
+
+
+def set_snapshot_keep(n):
+    """Keep the newest n snapshots of the directory (None: VRING_SNAPSHOT_KEEP, else 32)."""
+    global _keep
+    if n is not None and int(n) < 1:
+        raise errors.ConfigError(f"snapshots to keep must be >= 1, not {n}")
+    _keep = None if n is None else int(n)
 
 
 def snapshot_dir():
-    return _snapshot_dir or os.environ.get(ENV) or None
+    if _snapshot_dir is not None and _snapshot_dir is not DEFAULT:
+        return _snapshot_dir
+    env = os.environ.get(ENV)
+    if env:
+        return env
+    return default_snapshot_dir() if _snapshot_dir is DEFAULT else None
+
+
+def snapshot_keep():
+    if _keep is not None:
+        return _keep
+    try:
+        n = int(os.environ.get(ENV_KEEP, DEFAULT_KEEP))
+    except ValueError:
+        n = DEFAULT_KEEP
+    return max(n, 1)
+
+
+def open_private_dir(path):
+    """An O_DIRECTORY fd of ``path``, created 0700 (parents too) when missing. It must be a real directory
+    (the last component not a symlink), owned by this user, not writable by group or others."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        pass
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        os.close(fd)
+        raise errors.ConfigError(f"snapshot directory {path} is not private (owner uid {st.st_uid}, mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}); use one of yours that only you can write")
+    return fd
+
+
+def write_private(directory, stem, data, keep=None):
+    """Write ``data`` as a new file ``<stem>-<n>.raw`` in the private ``directory`` (O_EXCL | O_NOFOLLOW,
+    0600), then keep only the newest ``keep`` snapshot files there. Returns the path."""
+    dfd = open_private_dir(directory)
+    try:
+        for _attempt in range(1000):
+            with _lock:
+                n = next(_counter)
+            name = f"{stem}-{n}{_SUFFIX}"
+            try:
+                fd = os.open(name, _EXCL_FLAGS, 0o600, dir_fd=dfd)
+                break
+            except FileExistsError:   # taken (or planted): never written through, another name
+                continue
+        else:
+            raise errors.ConfigError(f"no free snapshot name in {directory}")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            _unlink_quietly(name, dfd)
+            raise
+        _prune(dfd, snapshot_keep() if keep is None else keep)
+    finally:
+        os.close(dfd)
+    return os.path.join(os.fspath(directory), name)
+
+
+def _prune(dfd, keep):
+    """Remove all but the newest ``keep`` regular snapshot files (vring-*.raw) of the directory."""
+    files = []
+    with os.scandir(dfd) as it:
+        for e in it:
+            if e.name.startswith(_PREFIX) and e.name.endswith(_SUFFIX) and e.is_file(follow_symlinks=False):
+                files.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name))
+    files.sort()
+    for _mtime, name in files[:max(len(files) - keep, 0)]:
+        _unlink_quietly(name, dfd)
 
 
 def on_broken(q, err):
@@ -351,12 +475,9 @@ def on_broken(q, err):
     if directory is None or getattr(err, "snapshot_path", None):
         return
     try:
-        with _lock:
-            n = next(_counter)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(directory, f"vring-{q.layout.fmt}-{_kind(q)}-{os.getpid()}-{stamp}-{n}.raw")
-        os.makedirs(directory, exist_ok=True)
-        save(q, path, meta={"pid": os.getpid(), "error": type(err).__name__})
+        stem = f"{_PREFIX}{q.layout.fmt}-{_kind(q)}-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}"
+        data = capture(q, meta={"pid": os.getpid(), "error": type(err).__name__}).dumps()
+        path = write_private(directory, stem, data)
     except Exception as e:  # a failed dump must not hide the ring error itself
         note = f" (ring snapshot failed: {e})"
     else:

@@ -15,15 +15,15 @@ from collections import deque
 
 import numpy as np
 
-from .errors import (AddressOutOfBounds, AvailIdxJump, BufferIdInUse, ChainTooLong, ConfigError,
-                     HeadOutOfRange, IndirectEmpty, IndirectLength, IndirectWithNext, NestedIndirect,
-                     NextOutOfRange, PackedIdOutOfRange, RingError, UsageError, UsedIdNotInFlight,
-                     UsedIdxJump, UsedLenTooLarge, WritableBeforeReadable)
-from .layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
+from .errors import (AddressOutOfBounds, AvailIdxJump, BaseOutOfRange, BufferIdInUse, ChainTooLong,
+                     ConfigError, HeadOutOfRange, IndirectEmpty, IndirectLength, IndirectWithNext,
+                     NestedIndirect, NextOutOfRange, PackedIdOutOfRange, RingError, SlotInFlight, UsageError,
+                     UsedIdNotInFlight, UsedIdxJump, UsedLenTooLarge, WritableBeforeReadable)
+from .layout import (ALIGN, RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
                      VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED,
                      VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT,
-                     VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY, area_sizes, has,
-                     need_event, packed_need_event)
+                     VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY, area_sizes,
+                     check_host_alignment, has, need_event, packed_need_event)
 from . import rawdump as _rawdump
 from .snapshot import device_snapshot, driver_snapshot
 
@@ -132,23 +132,27 @@ class _Queue:
         self.event_idx = has(features, VIRTIO_F_EVENT_IDX)
         self.broken = None
         dsz, drv, dev = area_sizes(layout.fmt, layout.size)
-        self.desc = self._area(layout.desc, dsz, "descriptor area")
+        a_desc, a_drv, a_dev = ALIGN[layout.fmt]
+        self.desc = self._area(layout.desc, dsz, "descriptor area", a_desc)
         if self.packed:
-            self.driver_event = self._area(layout.driver, drv, "driver event suppression area")
-            self.device_event = self._area(layout.device, dev, "device event suppression area")
+            self.driver_event = self._area(layout.driver, drv, "driver event suppression area", a_drv)
+            self.device_event = self._area(layout.device, dev, "device event suppression area", a_dev)
         else:
-            self.avail = self._area(layout.driver, drv, "available ring")
-            self.used = self._area(layout.device, dev, "used ring")
+            self.avail = self._area(layout.driver, drv, "available ring", a_drv)
+            self.used = self._area(layout.device, dev, "used ring", a_dev)
         n = self.size
         self.id_ndesc = [0] * n    # ring descriptors per buffer id
         self.id_wlen = [0] * n     # writable bytes per buffer id
         self.id_inflight = [0] * n
 
-    def _area(self, gpa, nbytes, what):
+    def _area(self, gpa, nbytes, what, align=None):
         try:
-            return self.mem.view(gpa, nbytes)
+            view = self.mem.view(gpa, nbytes)
         except AddressOutOfBounds:
             raise ConfigError(f"{what} {gpa:#x}+{nbytes:#x} is outside the memory table") from None
+        if align:   # as the C path requires (its atomic accesses); the model does not depend on it
+            check_host_alignment(what, gpa, np.frombuffer(view, np.uint8).ctypes.data, align)
+        return view
 
     @staticmethod
     def _get16(view, off):
@@ -219,7 +223,7 @@ class DriverQueue(_Queue):
             gpa, max_entries = indirect
             if not 2 <= max_entries <= n:  # a longer table is a chain longer than the queue (SPLIT-D-05)
                 raise ConfigError(f"indirect tables must hold 2..{n} entries, not {max_entries}")
-            self.tables = self._area(gpa, n * max_entries * 16, "indirect area")
+            self.tables = self._area(gpa, n * max_entries * 16, "indirect area", 16)
             self.indirect = (gpa, max_entries)
         if self.packed:
             self._place = self._place_packed
@@ -554,6 +558,7 @@ class DeviceQueue(_Queue):
         self.used_idx = 0     # split: free-running (u16); packed: next used slot
         self.used_wrap = 1    # packed (PACKED-V-01)
         self.call_added = 0   # buffers (split) / descriptors (packed) flushed since the last call_prepare
+        self.inflight_slots = 0  # packed: slots of the chains in flight, from used_idx up to last_avail
         self.fifo = deque()   # IN_ORDER: ids in polled order, not yet completed
         self.shadow = []      # (id, len) completed, not yet flushed
         self.batch = self.in_order and in_order_batch
@@ -567,6 +572,28 @@ class DeviceQueue(_Queue):
 
     def snapshot(self):
         return device_snapshot(self)
+
+    @_work
+    def set_base(self, base, taken=0):
+        """Start at a vring base (vhost-user SET_VRING_BASE): split, the free-running avail idx; packed,
+        slot | wrap << 15 (DPDK's encoding). The used position starts there, the device's avail position
+        ``taken`` buffers (split) / descriptors (packed) further (a predecessor's chains, replayed)."""
+        if any(self.id_inflight) or self.shadow or self.fifo:
+            raise UsageError("set_base: the queue has buffers in flight")
+        if not 0 <= base <= 0xFFFF or (self.packed and base & 0x7FFF >= self.size):
+            raise BaseOutOfRange(f"vring base {base:#x} is no position of this ring (size {self.size})",
+                                 base if 0 <= base <= 0xFFFFFFFF else 0xFFFFFFFF, self.size)
+        if not 0 <= taken <= self.size:
+            raise BaseOutOfRange(f"{taken} taken past the vring base: more than the ring holds ({self.size})",
+                                 taken if taken <= 0xFFFFFFFF else 0xFFFFFFFF, self.size)
+        if self.packed:
+            self.used_idx, self.used_wrap = base & 0x7FFF, base >> 15
+            avail = self.used_idx + taken
+            self.last_avail, self.avail_wrap = avail % self.size, self.used_wrap ^ (avail >= self.size)
+        else:
+            self.used_idx = base
+            self.last_avail = self.shadow_avail_idx = (base + taken) & 0xFFFF
+        self.inflight_slots = 0
 
     # --- polling -------------------------------------------------------------------------------------
 
@@ -597,6 +624,8 @@ class DeviceQueue(_Queue):
             chains.append((id, ndesc, len(segs), len(chain), rlen, wlen))
             segs += chain
             self.id_ndesc[id], self.id_wlen[id], self.id_inflight[id] = ndesc, wlen, POLLED
+            if self.packed:
+                self.inflight_slots += ndesc
             if self.in_order:
                 self.fifo.append(id)
             self.last_avail, self.avail_wrap = cursor
@@ -688,6 +717,9 @@ class DeviceQueue(_Queue):
                 raise ChainTooLong(f"list at slot {first} has more than {self.size} descriptors",
                                    first, ndesc)
             where = f"list at slot {first}, slot {slot}"
+            if ndesc + self.inflight_slots > self.size:  # PACKED-D-11/05: the used position has not passed it
+                raise SlotInFlight(f"{where}: made available again while it belongs to a chain in flight "
+                                   f"({self.inflight_slots} slots in flight)", slot, self.inflight_slots)
             addr, length, id, flags = _DESC.unpack_from(self.desc, 16 * slot)  # copied out, then checked
             slot += 1
             if slot == self.size:
@@ -767,9 +799,10 @@ class DeviceQueue(_Queue):
                 else:  # PACKED-V-05: body, then flags
                     self._put16(self.desc, 16 * self.used_idx + 14, flags)
                 ndesc = sum(self.id_ndesc[b] for b, _ in batch)  # PACKED-V-09, INORDER-12/13
-                self.used_idx += ndesc
-                if self.used_idx >= self.size:
+                self.used_idx += ndesc  # ndesc <= inflight_slots <= size: one lap at most
+                while self.used_idx >= self.size:
                     self.used_idx, self.used_wrap = self.used_idx - self.size, self.used_wrap ^ 1
+                self.inflight_slots -= ndesc
                 self.call_added += ndesc
             self._release16(self.desc, 16 * head[0] + 14, head[1])  # PACKED-V-16: the first batch's flags last
         else:

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, NamedTuple, Sequence
 
-from .errors import ConfigError, PeerGone, ProtocolError, ProtocolNack, ProtocolTimeout, UsageError
+from .errors import BackendBusy, ConfigError, PeerGone, ProtocolError, ProtocolNack, ProtocolTimeout, UsageError
 
 # --------------------------------------------------------------------------------------------------
 # Constants
@@ -566,6 +566,34 @@ def ack(msg: Message, ok: bool = True) -> Message:
     return reply(msg, pack_u64(0 if ok else 1))
 
 
+# A backend that serves one frontend at a time answers a second connection with this one message, then closes
+# it. vhost-user has no such message: request 0 (VHOST_USER_NONE, never a real request) with the reply flags
+# and a text payload. Another frontend sees an unexpected reply and gives up; ours raises BackendBusy.
+BUSY_REQUEST = 0
+BUSY_MAGIC = b"vring-busy: "
+
+
+def busy_notice(text: str) -> Message:
+    return Message(BUSY_REQUEST, REPLY_FLAGS, BUSY_MAGIC + text.encode("utf-8", "replace")[:1000])
+
+
+def busy_text(msg: Message) -> str | None:
+    """The text of a busy notice, or None if ``msg`` is not one."""
+    if msg.request == BUSY_REQUEST and msg.flags == REPLY_FLAGS and msg.payload.startswith(BUSY_MAGIC):
+        return msg.payload[len(BUSY_MAGIC):].decode("utf-8", "replace")
+    return None
+
+
+def _left_busy_notice(conn: "Connection") -> str | None:
+    """After a send failed because the peer closed: the busy notice it may have left in our receive queue."""
+    try:
+        msg = conn.recv(timeout=0)
+    except (ProtocolError, OSError):
+        return None
+    msg.close_fds()
+    return busy_text(msg)
+
+
 # --------------------------------------------------------------------------------------------------
 # Validation and decoding
 # --------------------------------------------------------------------------------------------------
@@ -855,10 +883,16 @@ def client_call(conn: Connection, request: int, payload=b"", fds: Sequence[int] 
     failure to get a good reply marks the connection broken and raises ProtocolTimeout / PeerGone /
     ProtocolError. ``fds`` are borrowed, not closed."""
     msg = Message(request, VERSION | (NEED_REPLY if need_reply else 0), payload, list(fds))
-    conn.send(msg, timeout)
+    name = msg.name
+    try:
+        conn.send(msg, timeout)
+    except PeerGone as e:
+        text = _left_busy_notice(conn)
+        if text is not None:
+            raise BackendBusy(f"{name}: the backend refused the connection: {text}") from e
+        raise
     if not (has_reply(msg.request) or need_reply):
         return None
-    name = msg.name
     try:
         rep = conn.recv(timeout)
     except ProtocolTimeout:
@@ -870,6 +904,10 @@ def client_call(conn: Connection, request: int, payload=b"", fds: Sequence[int] 
         conn.mark_broken(f"bad reply to {name}: {e}")
         raise
     try:
+        text = busy_text(rep)
+        if text is not None:
+            conn.mark_broken(f"backend busy: {text}")
+            raise BackendBusy(f"{name}: the backend refused the connection: {text}")
         if rep.flags != REPLY_FLAGS:
             raise ProtocolError(f"{name}: reply flags are {rep.flags:#x}, expected exactly {REPLY_FLAGS:#x}")
         if rep.request != msg.request:
@@ -896,9 +934,26 @@ def client_call(conn: Connection, request: int, payload=b"", fds: Sequence[int] 
 # --------------------------------------------------------------------------------------------------
 
 
+def socket_is_live(path, timeout: float = 1.0) -> bool:
+    """Does a server listen on the Unix socket at ``path``? (connect; refused or missing: no). A socket we may
+    not connect to, or whose backlog stays full, counts as live: it is not ours to replace."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(os.fspath(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.close()
+    return True
+
+
 def listen_unix(path, backlog: int = 1) -> socket.socket:
     """A listening AF_UNIX stream socket at ``path`` with mode 0600 (set before ``listen``, so nobody can connect
-    earlier). A stale file at ``path`` is removed only if it is a socket; anything else is a ConfigError."""
+    earlier). A live server at ``path`` is never taken over (ConfigError); a stale socket file is replaced;
+    any other file there is a ConfigError."""
     path = os.fspath(path)
     try:
         st = os.lstat(path)
@@ -907,7 +962,10 @@ def listen_unix(path, backlog: int = 1) -> socket.socket:
     else:
         if not stat.S_ISSOCK(st.st_mode):
             raise ConfigError(f"{path} exists and is not a socket; not removing it")
-        os.unlink(path)
+        if socket_is_live(path):
+            raise ConfigError(f"{path}: a server is listening on this socket already; not taking it over "
+                              f"(stop it, or choose another path)")
+        os.unlink(path)   # stale: nobody listens there any more
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False
     try:
@@ -973,5 +1031,6 @@ __all__ = [
     "VringState", "VringAddr", "VringFile", "MemRegion", "LogBase", "Inflight", "ConfigSpace", "IotlbMsg",
     "FDS_VRING", "FDS_REGIONS", "PayloadSpec", "REQUEST_SPECS", "REPLY_SPECS", "ACK_SPEC", "has_reply",
     "Message", "wants_ack", "reply", "ack", "decode", "validate",
-    "Connection", "client_call", "listen_unix", "accept_unix", "connect_unix",
+    "Connection", "client_call", "listen_unix", "accept_unix", "connect_unix", "socket_is_live",
+    "BUSY_REQUEST", "busy_notice", "busy_text",
 ]

@@ -9,8 +9,8 @@ from . import errors
 from . import rawdump as _rawdump
 from ._virtq import ffi, lib
 from .errors import ConfigError, UsageError
-from .layout import (VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC,
-                     VIRTIO_F_RING_PACKED, area_sizes, has)
+from .layout import (ALIGN, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC,
+                     VIRTIO_F_RING_PACKED, area_sizes, check_host_alignment, has)
 
 
 class CMemory:
@@ -67,6 +67,10 @@ def ring_error(code, a, b, side, size):
         13: f"used id {a} (at used position {b}) is not a buffer in flight",
         14: f"used length {b} for buffer {a} is larger than its writable part",
         15: f"used idx moved from {a} to {b}: by more than the queue size or than the batch allows",
+        16: f"packed slot {a} made available again while it belongs to a chain in flight "
+            f"({b} slots in flight, queue size {size})",
+        17: f"vring base {a:#x} is no position of this ring (size {b}; packed: slot | wrap << 15), or {a} "
+            f"entries taken past it are more than the ring holds",
     }[code]
     return errors.RING_ERRORS[code](f"{side}: {msg}", a, b, side)
 
@@ -96,6 +100,10 @@ class _Queue:
                                     self.mem.host(layout.device, dev))
         except errors.AddressOutOfBounds as e:
             raise ConfigError(f"ring area outside the memory table: {e}") from None
+        for what, gpa, ptr, align in zip(("descriptor area", "driver area", "device area"),
+                                         (layout.desc, layout.driver, layout.device), (desc, driver, device),
+                                         ALIGN[layout.fmt]):
+            check_host_alignment(what, gpa, int(ffi.cast("uintptr_t", ptr)), align)
         if layout.packed:
             c.pdesc = ffi.cast("struct vring_packed_desc *", desc)
             c.driver_event = ffi.cast("struct vring_packed_event *", driver)
@@ -161,6 +169,7 @@ class DriverQueue(_Queue):
             c.indirect_max = max_entries
             c.indirect_gpa = gpa
             c.indirect_host = self.mem.host(gpa, n * max_entries * 16)
+            check_host_alignment("indirect area", gpa, int(ffi.cast("uintptr_t", c.indirect_host)), 16)
             self.indirect = (gpa, max_entries)
         self._out_tokens = np.zeros(n, np.uint64)
         self._out_lens = np.zeros(n, np.uint32)
@@ -328,6 +337,20 @@ class DeviceQueue(_Queue):
         c.shadow_id = _ptr("uint32_t *", self.shadow_id)
         c.shadow_len = _ptr("uint32_t *", self.shadow_len)
         self.chains = Chains(max_chains or n, 2 * n + 64)
+        self.set_base(0x8000 if layout.packed else 0)  # PACKED-V-01: slot 0, wrap counters 1
+
+    def set_base(self, base, taken=0):
+        """Start at a vring base (vhost-user SET_VRING_BASE: split avail idx; packed slot | wrap << 15), on an
+        idle queue, the avail position ``taken`` buffers (split) / descriptors (packed) further (chains a
+        predecessor took, replayed from the inflight area). The C code checks both: BaseOutOfRange (sticky)."""
+        self._check()
+        clamp = lambda v: v if 0 <= v <= 0xFFFFFFFF else 0xFFFFFFFF  # noqa: E731
+        r = lib.vq_dev_set_base(self.c, clamp(base), clamp(taken))
+        if r < 0:
+            self._fail()
+        if r:
+            raise UsageError({103: "set_base: the queue has buffers in flight",
+                              104: f"set_base: queue size {self.size} is not a valid ring size"}[r])
 
     @property
     def inflight(self):

@@ -298,3 +298,165 @@ def test_packed_d_24_used_flags_of_the_wrong_lap_are_not_a_completion(impl):
     r.desc[0]["flags"] = VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED
     tokens, _ = r.drv.reclaim()
     assert tokens.tolist() == [0]
+
+
+# ---- packed: slots still in flight offered again (issue 8) --------------------------------------------
+
+def _packed_list(r, first, n, id, wrap):
+    """Write an available list of n one-segment descriptors from slot `first` (hostile: no free-slot check)."""
+    bits = VIRTQ_DESC_F_AVAIL if wrap else VIRTQ_DESC_F_USED
+    for k in range(n):
+        slot = (first + k) % SIZE
+        flags = bits | (VIRTQ_DESC_F_NEXT if k + 1 < n else 0)
+        r.desc[slot] = (DATA + 64 * k, 64, id, flags)
+
+
+def test_packed_d_11_reoffered_slots_in_flight_in_order_batch(impl):
+    """PACKED-D-11/05: a driver that offers slots of chains still in flight again (here: a whole-ring chain,
+    re-offered once the device's avail position wrapped) gets SlotInFlight. On main the device took it,
+    and with IN_ORDER batching one flush moved the used position past twice the ring (out-of-bounds write)."""
+    from rings.layout import VIRTIO_F_IN_ORDER
+    buf = bytearray(MEMSIZE)
+    mem = MemoryTable([(BASE, MEMSIZE, buf)])
+    layout = QueueLayout.contiguous("packed", SIZE, BASE)
+    feats = bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_IN_ORDER)
+    dev = impl.DeviceQueue(mem, layout, feats, in_order_batch=True)
+    r = type("R", (), {})()
+    r.desc = np.frombuffer(buf, packed_desc_dtype, SIZE, layout.desc - BASE)
+    _packed_list(r, 0, SIZE, 0, 1)           # id 0: the whole ring
+    assert dev.poll().n == 1
+    _packed_list(r, 0, SIZE, 1, 0)           # the same slots again, with the next lap's wrap bit
+    snapshot = bytes(buf)
+    with pytest.raises(errors.SlotInFlight) as info:
+        dev.poll()
+    assert (info.value.a, info.value.b) == (0, SIZE)
+    assert dev.broken is info.value
+    with pytest.raises(errors.SlotInFlight):
+        dev.flush()
+    assert bytes(buf) == snapshot
+
+
+def test_packed_d_11_reoffered_one_descriptor_slots_in_flight(impl):
+    """PACKED-D-11/05 on the one-descriptor fast path: a full ring of one-descriptor buffers in flight, then
+    slot 0 offered again with the next lap's wrap bit: SlotInFlight, nothing written."""
+    r = Ring(impl, "packed")
+    for k in range(SIZE):
+        _packed_list(r, k, 1, k, 1)
+    assert r.dev.poll().n == SIZE
+    _packed_list(r, 0, 1, 0, 0)
+    e = expect_device_error(r, errors.SlotInFlight)
+    assert (e.a, e.b) == (0, SIZE)
+
+
+def test_packed_d_11_partial_overlap_is_refused(impl):
+    """PACKED-D-11: a list whose tail reaches into the slots of a chain in flight; the error names the slot."""
+    r = Ring(impl, "packed")
+    _packed_list(r, 0, 6, 0, 1)              # slots 0..5 in flight
+    assert r.dev.poll().n == 1
+    _packed_list(r, 6, 3, 1, 1)              # slots 6, 7, then 0 (still in flight)
+    r.desc[0]["flags"] = VIRTQ_DESC_F_USED      # the list ends at slot 0, in the next lap (wrap 0)
+    e = expect_device_error(r, errors.SlotInFlight)
+    assert (e.a, e.b) == (0, 6)
+
+
+def test_packed_v_09_whole_ring_in_flight_then_reused_legitimately(impl):
+    """The check does not refuse a driver that waits for the used descriptors: the whole ring in flight,
+    completed, then offered again; the used position stays inside the ring."""
+    r = Ring(impl, "packed")
+    for lap in range(3):
+        r.add_one(SIZE)
+        ch = r.dev.poll()
+        assert ch.n == SIZE
+        r.dev.push_used(ch.id, np.zeros(SIZE, np.uint32))
+        r.dev.flush()
+        assert r.dev.state()["used_idx"] == 0 and r.dev.state()["used_wrap"] == (lap + 1) % 2 ^ 1
+        tokens, _ = r.drv.reclaim()
+        assert len(tokens) == SIZE
+
+
+# ---- vring base: bounded by the ring engine itself (issue 8) ------------------------------------------
+
+@pytest.mark.parametrize("fmt,base", [("packed", 0x8000 | SIZE), ("packed", SIZE + 100), ("packed", 0x7FFF),
+                                      ("split", 0x10000), ("packed", -1), ("split", 1 << 40)])
+def test_set_base_outside_the_ring_is_refused(impl, fmt, base):
+    """A vring base that is no position of the ring: BaseOutOfRange (sticky), nothing touched."""
+    r = Ring(impl, fmt)
+    snapshot = bytes(r.buf)
+    with pytest.raises(errors.BaseOutOfRange) as info:
+        r.dev.set_base(base)
+    assert info.value.a == (base if 0 <= base <= 0xFFFFFFFF else 0xFFFFFFFF) and info.value.b == SIZE
+    with pytest.raises(errors.BaseOutOfRange):
+        r.dev.poll()
+    assert bytes(r.buf) == snapshot
+
+
+def test_set_base_packed_resumes_at_slot_and_wrap(impl):
+    """PACKED-V-01 with a base: slot 5, wrap 0 -> the device polls slot 5 with wrap 0 and uses it there."""
+    r = Ring(impl, "packed")
+    r.dev.set_base(5)
+    _packed_list(r, 5, 1, 3, 0)
+    ch = r.dev.poll()
+    assert ch.n == 1 and list(ch.id) == [3]
+    r.dev.push_used([3], [0])
+    r.dev.flush()
+    assert r.desc[5]["id"] == 3 and r.desc[5]["flags"] == 0       # used with wrap 0: AVAIL = USED = 0
+    assert r.dev.state()["used_idx"] == 6
+
+
+def test_set_base_split_resumes_at_index(impl):
+    r = Ring(impl, "split")
+    r.dev.set_base(0xFFFE)
+    r.desc[0] = (DATA, 64, 0, 0)
+    r.avail["ring"][0xFFFE % SIZE] = 0
+    r.avail["idx"] = 0xFFFF
+    assert r.dev.poll().n == 1
+    r.dev.push_used([0], [0])
+    r.dev.flush()
+    assert r.used["idx"] == 0xFFFF and r.used["ring"][0xFFFE % SIZE]["id"] == 0
+
+
+def test_set_base_needs_an_idle_queue(impl):
+    r = Ring(impl, "packed")
+    r.add_one()
+    assert r.dev.poll().n == 1
+    with pytest.raises(errors.UsageError):
+        r.dev.set_base(0x8000)
+    assert r.dev.broken is None
+
+
+# ---- found by fuzz/ (ring_device): alignment (issue 8) ---------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+@pytest.mark.parametrize("misalign", [1, 2, 8])
+def test_indirect_table_at_any_address(impl, fmt, misalign):
+    """No alignment is required of an indirect table: one at TABLE + misalign reads like an aligned one.
+    (The C path read it through struct pointers: undefined behaviour, reported by UBSan under fuzz/.)"""
+    r = Ring(impl, fmt, bit(VIRTIO_F_INDIRECT_DESC))
+    r.add_one()
+    dtype = split_desc_dtype if fmt == "split" else packed_desc_dtype
+    entries = [(DATA, 16, VIRTQ_DESC_F_NEXT, 1), (DATA + 64, 32, VIRTQ_DESC_F_WRITE, 0)] if fmt == "split" else \
+        [(DATA, 16, 0, 0), (DATA + 64, 32, 0, VIRTQ_DESC_F_WRITE)]
+    raw = np.zeros(2, dtype)
+    for i, e in enumerate(entries):
+        raw[i] = e
+    r.buf[TABLE - BASE + misalign:TABLE - BASE + misalign + 32] = raw.tobytes()
+    r.desc[0]["addr"], r.desc[0]["len"] = TABLE + misalign, 32
+    r.desc[0]["flags"] |= VIRTQ_DESC_F_INDIRECT
+    ch = r.dev.poll()
+    assert ch.n == 1 and ch.segments(0) == [(DATA, 16, 0), (DATA + 64, 32, 1)]
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_ring_misaligned_in_this_process_is_refused(impl, fmt):
+    """A region mapped at an offset that breaks the rings' alignment in this process (a vhost-user memory table
+    whose mmap_offset disagrees with its guest address) is refused up front, not accessed misaligned."""
+    buf = bytearray(MEMSIZE + 16)
+    mem = MemoryTable([(BASE, MEMSIZE, buf, 2)])   # guest BASE (16-aligned) at buffer offset 2
+    layout = QueueLayout.contiguous(fmt, SIZE, BASE)
+    feats = bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0
+    base = np.frombuffer(buf, np.uint8).ctypes.data
+    if (base + 2) % 16 == 0:
+        pytest.skip("the buffer happens to be aligned so that offset 2 is aligned")
+    for half in (impl.DeviceQueue, impl.DriverQueue):
+        with pytest.raises(errors.ConfigError, match="not 16-byte aligned"):
+            half(mem, layout, feats)

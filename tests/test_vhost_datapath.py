@@ -291,3 +291,35 @@ def test_broken_tx_ring_is_reported_typed(pairs):
     assert set(errors) == {1} and isinstance(errors[1], AvailIdxJump)
     assert p.dp.idle and p.dev[1].broken is errors[1]
     assert p.dp.step() == {}             # reported once; the loop no longer touches that ring
+
+
+def test_net_29_mergeable_reservation_does_not_wrap_32_bits():
+    """NET-29/30: the buffers reserved for a mergeable packet are summed in 64 bits. A 64-byte buffer
+    followed by one of 0xFFFFFFF0 writable bytes (an indirect table of 256 entries over one 16 MiB area)
+    holds a 100-byte frame in 2 buffers; a 32-bit sum wrapped to 48 and took a third buffer (used with
+    len 0, counted in num_buffers)."""
+    from rings.layout import VIRTIO_F_INDIRECT_DESC
+    features = bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_NET_F_MRG_RXBUF) | bit(VIRTIO_F_INDIRECT_DESC)
+    big, ind, data = GPA + 0x20000, GPA + 0x120000, GPA + 0x1120000
+    buf = bytearray(0x1120000 + 0x10000)
+    mem = MemoryTable([(GPA, len(buf), buf)])
+    layouts = [QueueLayout.contiguous("split", SIZE, GPA + i * 0x10000) for i in range(2)]
+    rx = DriverQueue(mem, layouts[0], features, indirect=(ind, SIZE))
+    tx = DriverQueue(mem, layouts[1], features)
+    dev = [DeviceQueue(mem, lay, features) for lay in layouts]
+    dp = Datapath(dev[0], dev[1], features, Options(fwd="io"))
+    seg = 0x1000000
+    addrs = [data] + [big] * SIZE + [data + 0x1000]
+    lens = [64] + [seg] * (SIZE - 1) + [seg - 16] + [2048]
+    assert rx.add(addrs, lens, [0, 0, 0], [1, SIZE, 1], [1, 2, 3]) == 3
+    rx.publish()
+    f = bytes(range(100))
+    mem.write(data + 0x8000, bytes(HDR) + f)
+    assert tx.add_simple([data + 0x8000], [HDR + len(f)], [9]) == 1
+    tx.publish()
+    dp.step()
+    tokens, used = rx.reclaim()
+    assert list(tokens) == [1, 2] and list(used) == [64, 100 + HDR - 64]
+    assert struct.unpack_from("<H", mem.read(data, HDR), 10)[0] == 2   # num_buffers
+    assert dev[0].inflight == 1                                          # the third buffer stays posted
+    assert mem.read(data, 64)[HDR:] + mem.read(big, 48) == f

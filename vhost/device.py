@@ -83,6 +83,18 @@ class Vring:
             setattr(self, attr, UNSET)
 
 
+def _without_frames(e):
+    """The error, kept, without the frames it was raised through: they hold the queue that failed to start and
+    through it the guest memory mapping, which a later SET_MEM_TABLE or disconnect could then not unmap (its
+    fd stayed open until a garbage collection)."""
+    seen, x = set(), e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        x = x.__cause__ or x.__context__
+    return e
+
+
 class NetDevice:
     """State of one vhost-user connection: features, memory table, two vrings, and the running data path."""
 
@@ -148,6 +160,8 @@ class NetDevice:
         self.features = value
         self.features_set = True
         log.info("features %#x: %s", value, " ".join(feature_names(value)))
+        for v in self.vrings:   # split -> packed: a base stored before now reads as slot | wrap << 15
+            self._check_base(v, "SET_FEATURES")
 
     def _get_protocol_features(self, msg, value):
         return vu.pack_u64(self.offered_pf)
@@ -292,6 +306,16 @@ class NetDevice:
         self._stop(f"vring {st.index} resized")
         v.num = st.num
         v.broken = None
+        self._check_base(v, f"SET_VRING_NUM {st.num}")
+
+    def _check_base(self, v, why):
+        """A packed base must stay a slot of the ring when the ring size or the format changes after it was
+        stored (GET_VRING_BASE stores the used position; a careless frontend then shrinks the ring). Such a
+        vring is not started (the C engine refuses the base too) until SET_VRING_BASE names a slot in it."""
+        if self.packed and v.num is not None and (v.base & 0x7FFF) >= v.num:
+            log.warning("vring %d: after %s the packed base %#x (slot %d) is outside the ring of %d; it will "
+                        "not start until SET_VRING_BASE names a slot inside it", v.index, why, v.base,
+                        v.base & 0x7FFF, v.num)
 
     def _set_vring_addr(self, msg, a):
         v = self._vring(msg, a.index)
@@ -305,7 +329,10 @@ class NetDevice:
 
     def _layout(self, v, a):
         fmt = "packed" if self.packed else "split"
-        dsz, drv, dev = area_sizes(fmt, v.num)
+        try:   # a size set under the other format (SET_FEATURES changed it since) may not fit this one
+            dsz, drv, dev = area_sizes(fmt, v.num)
+        except ConfigError as e:
+            raise Refused(f"vring {v.index}: {e} (send SET_VRING_NUM again)") from None
         desc = self.uaddr_to_gpa(a.desc, dsz, f"vring {v.index} descriptor area")
         driver = self.uaddr_to_gpa(a.avail, drv, f"vring {v.index} driver area")
         device = self.uaddr_to_gpa(a.used, dev, f"vring {v.index} device area")
@@ -325,6 +352,7 @@ class NetDevice:
         self._stop(f"vring {st.index} rebased")
         v.base = st.num & 0xFFFF
         v.base_set = True
+        v.broken = None
 
     def _get_vring_base(self, msg, st):
         v = self._vring(msg, st.index)   # st.num is garbage from virtio_user: ignored
@@ -397,22 +425,18 @@ class NetDevice:
             # one used entry per batch only on the Tx queue, as DPDK does (virtio PMD reads Rx per buffer)
             q = DeviceQueue(self.cmem, layout, self.features,
                             in_order_batch=self.options.in_order_batch and v.index == 1)
+            base = v.base
+            if not self.packed:
+                used_idx = int.from_bytes(self.mem.read(layout.device + 2, 2), "little")
+                if used_idx != base:   # pitfall 25 / DPDK: resync to the used ring in memory
+                    log.warning("vring %d: base %d but used->idx is %d; resuming at %d", v.index, base,
+                                used_idx, used_idx)
+                    base = used_idx
+            q.set_base(base)   # the ring engine bounds it (BaseOutOfRange), whatever was checked above
         except (Refused, VringError) as e:
-            v.broken = e
+            v.broken = _without_frames(e)
             log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
             return None, None
-        c = q.c
-        if self.packed:
-            c.last_avail = c.used_idx = v.base & 0x7FFF
-            c.avail_wrap = c.used_wrap = (v.base >> 15) & 1
-        else:
-            base = v.base & 0xFFFF
-            used_idx = int.from_bytes(self.mem.read(layout.device + 2, 2), "little")
-            if used_idx != base:   # pitfall 25 / DPDK: resync to the used ring in memory
-                log.warning("vring %d: base %d but used->idx is %d; resuming at %d", v.index, base,
-                            used_idx, used_idx)
-                base = used_idx
-            c.last_avail = c.used_idx = base
         q.enable_kicks(False)   # we poll (as net_vhost does): the driver need not kick
         tracking = None
         if self.inflight is not None:

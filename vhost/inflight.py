@@ -247,8 +247,7 @@ class QueueTracking:
         heads = self._resubmit(heads, desc["counter"][heads])
         self.c.last_batch_head = int(hdr["last_batch_head"]) if int(hdr["last_batch_head"]) < size else 0
         # every avail entry before used->idx is used; those after it, up to the in-flight count, were taken
-        q.c.used_idx = used
-        q.c.last_avail = (used + len(heads)) & 0xFFFF
+        q.set_base(used, len(heads))   # the ring engine bounds both
         return heads
 
     def _recover_packed(self, q, hdr, desc):
@@ -330,11 +329,7 @@ class QueueTracking:
         if base != (used, wrap):
             log.warning("vring %d: the frontend's base is slot %d wrap %d but the inflight region says the device "
                         "used up to slot %d wrap %d; resuming there", self.index, base[0], base[1], used, wrap)
-        q.c.used_idx, q.c.used_wrap = used, wrap
-        avail, awrap = used + total, wrap
-        if avail >= size:
-            avail, awrap = avail - size, awrap ^ 1
-        q.c.last_avail, q.c.avail_wrap = avail, awrap
+        q.set_base(used | wrap << 15, total)   # the ring engine bounds both
         return heads
 
     def stats(self):

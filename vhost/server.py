@@ -1,10 +1,14 @@
 """The vhost-user server: one frontend at a time on a Unix socket, a NetDevice per connection.
 
 Single-threaded: the loop alternates a time slice of the C data path (when the device runs) with a
-non-blocking look at the socket, so control messages and forwarding never race. Every message is decoded and
-validated (``rings.vhost_user.decode``) before the device sees it. A message that is malformed or cannot be
-honoured is logged and refused: NACK (u64 1) if it asked for a reply, else the connection is closed, as DPDK
-does. A frontend that leaves (or is dropped) leaves the server ready for the next one; in ``client`` mode the
+non-blocking look at the sockets, so control messages and forwarding never race. One frontend at a time: a
+second connection gets a busy notice (``rings.vhost_user.busy_notice``) and is closed at once, and a frontend
+that has not asked GET_FEATURES within ``handshake_timeout`` seconds of connecting is dropped, so that a silent
+one cannot block the socket.
+
+Every message is decoded and validated (``rings.vhost_user.decode``) before the device sees it. A message that
+is malformed or cannot be honoured is logged and refused: NACK (u64 1) if it asked for a reply, else the
+connection is closed, as DPDK does. A frontend that leaves (or is dropped) leaves the server ready for the next one; in ``client`` mode the
 server connects out and reconnects every ``reconnect_s``.
 """
 from __future__ import annotations
@@ -27,11 +31,13 @@ from .device import NetDevice, Refused, Reply
 log = logging.getLogger("vhost")
 
 MSG_TIMEOUT = 5.0   # a message that starts must complete within this (a stalled frontend is dropped)
+HANDSHAKE_TIMEOUT = 5.0   # a frontend must ask GET_FEATURES within this after connecting, or it is dropped
 
 
 class Server:
     def __init__(self, path, options: Options | None = None, client=False, reconnect_s=1.0, budget_us=500,
-                 stats_interval=0.0, json_stats=False, out=None, device_kw=None):
+                 stats_interval=0.0, json_stats=False, out=None, device_kw=None,
+                 handshake_timeout=HANDSHAKE_TIMEOUT):
         self.path = os.fspath(path)
         self.options = options or Options()
         self.client = client
@@ -45,8 +51,12 @@ class Server:
         self._sock_ino = None
         self.conn: vu.Connection | None = None
         self.device: NetDevice | None = None
-        self.connections = 0
+        self.handshake_timeout = handshake_timeout
+        self._handshake_deadline = None   # set while the current frontend has not asked GET_FEATURES
+        self._greeted = False             # the current connection has sent a message
+        self.connections = 0              # frontends that sent at least one message
         self.refused = 0
+        self.refused_busy = 0             # connections turned away while another frontend was served
         self.ring_errors = 0
         self.totals: dict = {}
         self.stopping = False
@@ -104,10 +114,32 @@ class Server:
                 log.warning("accept failed: %s", e)
                 return
             conn = vu.Connection(sock)
+        self.attach(conn)
+        log.info("connection accepted")
+
+    def attach(self, conn: vu.Connection):
+        """Serve this connected frontend from now on (also for tests and fuzzing: a socketpair end)."""
         self.conn = conn
         self.device = NetDevice(self.options, **self.device_kw)
-        self.connections += 1
-        log.info("frontend connected (connection %d)", self.connections)
+        self._greeted = False
+        self._handshake_deadline = time.monotonic() + self.handshake_timeout
+
+    def _refuse_busy(self):
+        """Another frontend connects while one is served: a prompt refusal (a busy notice, then close)."""
+        try:
+            sock, _ = self.listener.accept()
+        except OSError as e:
+            log.warning("accept failed: %s", e)
+            return
+        self.refused_busy += 1
+        why = f"serving another frontend (connection {self.connections}); one at a time"
+        log.warning("refused a frontend: %s", why)
+        conn = vu.Connection(sock)
+        try:
+            conn.send(vu.busy_notice(why), timeout=0.1)
+        except VringError:
+            pass
+        conn.close()
 
     def _drop(self, why):
         if self.conn is None:
@@ -123,8 +155,12 @@ class Server:
         # the connection counts as gone only once its counters are in the totals (readers wait on conn)
         self.device = None
         self.conn = None
+        self._handshake_deadline = None
         conn.close()
-        log.info("frontend gone (%s); ready for the next one", why)
+        if self._greeted:
+            log.info("frontend gone (%s); ready for the next one", why)
+        else:
+            log.info("connection closed before any message (%s)", why)
 
     # -- messages --------------------------------------------------------------------------------
 
@@ -153,6 +189,12 @@ class Server:
             self._drop("protocol error")
             return
         log.debug("<- %r", msg)
+        if not self._greeted:
+            self._greeted = True
+            self.connections += 1
+            log.info("frontend connected (connection %d)", self.connections)
+        if msg.request == vu.VhostUserRequest.GET_FEATURES:
+            self._handshake_deadline = None   # every frontend starts with it (after SET_OWNER at most)
         try:
             value = vu.decode(msg)
         except ProtocolError as e:
@@ -190,7 +232,17 @@ class Server:
             return
         dev = self.device
         timeout = idle_timeout
-        waits = [self.conn.sock]
+        deadline = self._handshake_deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.error("frontend sent no GET_FEATURES within %gs of connecting; dropping it",
+                          self.handshake_timeout)
+                self._drop("no handshake")
+                return
+            timeout = min(timeout, left)
+        sock = self.conn.sock
+        waits = [sock] if self.listener is None else [sock, self.listener]
         kick = None
         if dev.datapath is not None and not dev.datapath.idle:
             errors = dev.run(self.budget_us)
@@ -204,10 +256,12 @@ class Server:
         try:
             r, _, _ = select.select(waits, [], [], timeout)
         except (OSError, ValueError):
-            r = [self.conn.sock]
+            r = [sock]
         if kick is not None and kick >= 0 and kick in r:
             dev.kicked()
-        if self.conn.sock in r:
+        if self.listener is not None and self.listener in r:
+            self._refuse_busy()
+        if sock in r:
             self._serve_one()
 
     def _nap(self):
@@ -249,8 +303,8 @@ class Server:
         if self.device is not None:
             add_stats(total, self.device.stats())
         out = split_stats(total)
-        out.update(connections=self.connections, refused=self.refused, ring_errors=self.ring_errors,
-                   running=bool(self.device and self.device.datapath))
+        out.update(connections=self.connections, refused=self.refused, refused_busy=self.refused_busy,
+                   ring_errors=self.ring_errors, running=bool(self.device and self.device.datapath))
         return out
 
     def _maybe_stats(self):
@@ -266,7 +320,7 @@ class Server:
             return
         head = "final" if final else f"t={t}s"
         print(f"[vhost {head}] connections={st['connections']} refused={st['refused']} "
-              f"ring_errors={st['ring_errors']}", file=self.out)
+              f"refused_busy={st['refused_busy']} ring_errors={st['ring_errors']}", file=self.out)
         for q in ("rxq0", "txq1", "intermediate"):
             print(f"  {q:12s} " + " ".join(f"{k}={v}" for k, v in st[q].items()), file=self.out)
         self.out.flush()

@@ -25,7 +25,8 @@ R = vu.VhostUserRequest
 HDR = 12
 GPA_BASE = 0x4000_0000
 UADDR_BASE = 0x7F12_3400_0000
-MMAP_OFFSET = 0x1002            # not page aligned: DPDK maps from offset 0 and adds it
+MMAP_OFFSET = 0x1010            # not page aligned (DPDK maps from offset 0 and adds it), but 16-byte aligned:
+                                # the rings must be aligned in the backend's mapping too
 REGION_SIZE = 4 << 20
 RING_AREA = 0x10000             # per vring
 PKT_BASE = 0x40000              # packet buffers after the rings

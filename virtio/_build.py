@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from rings._build import package_ffi  # noqa: E402
 
 
-ffibuilder = package_ffi("virtio._net", CSRC, "vnet.h", "vnet_types.h", """
+FUNCTIONS = """
 uint32_t vn_pool_alloc(struct vn_pool *p, uint32_t *out, uint32_t n);
 void vn_pool_free(struct vn_pool *p, const uint32_t *idx, uint32_t n);
 int vn_tx_cleanup(struct vn_txq *t, uint32_t need);
@@ -38,7 +38,15 @@ int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn_pace *pc, uin
                      uint32_t ts_off, uint32_t max, uint32_t rx_max, uint32_t spin, uint32_t steps);
 int vq_drv_kick_prepare(struct vq_driver *q);
 void vq_drv_publish(struct vq_driver *q);
-""")
+"""
+
+
+def build_ffi(**kw):
+    """The FFI builder (``kw``: package_ffi's build options; the package build passes none)."""
+    return package_ffi("virtio._net", CSRC, "vnet.h", "vnet_types.h", FUNCTIONS, **kw)
+
+
+ffibuilder = build_ffi()
 
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)

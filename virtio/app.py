@@ -110,11 +110,40 @@ def _eventfd_count(fd):
 
 
 class _Stop:
+    """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
+    --wait sleep through a wakeup pipe), a second one cuts the drain short."""
+
     def __init__(self):
         self.flag = False
+        self.count = 0
+        self.when = None
+        self.signum = None
 
-    def __call__(self, *_):
-        self.flag = True
+    def __call__(self, signum=None, _frame=None):
+        self.count += 1
+        if not self.flag:
+            self.flag, self.when, self.signum = True, time.monotonic(), signum
+
+
+class _SignalWakeup:
+    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a select on its read end returns as
+    soon as a signal arrives, where PEP 475 would resume the sleep after the Python handler ran."""
+
+    def __init__(self):
+        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.old = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+
+    def drain(self):
+        try:
+            while os.read(self.rfd, 64):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self):
+        signal.set_wakeup_fd(self.old)
+        os.close(self.rfd)
+        os.close(self.wfd)
 
 
 def run(cfg: DriverConfig, on_ready=None):
@@ -134,6 +163,7 @@ def run(cfg: DriverConfig, on_ready=None):
     nq = ctl = pcap = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    wakeup = _SignalWakeup()
     result = {"config": asdict(cfg)}
     try:
         sess.open()
@@ -155,13 +185,16 @@ def run(cfg: DriverConfig, on_ready=None):
             on_ready()
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
-        loop = _Loop(cfg, nq, stop, sess, pcap)
+        loop = _Loop(cfg, nq, stop, sess, pcap, wakeup)
         if cfg.idle_first > 0:
             loop.idle(cfg.idle_first)
         t0 = time.monotonic()
         loop.run()
         elapsed = time.monotonic() - t0
+        result["stop"] = loop.stop_info()
         loop.drain()
+        # Tx buffers the backend never completed: their memory still belongs to the device
+        result["tx_unfinished"] = int(nq.tx.inflight)
         result["elapsed_s"] = round(elapsed, 6)
         result["vring_bases"] = _stop_vrings(sess)
         result["connections"] = sess.connections
@@ -175,6 +208,7 @@ def run(cfg: DriverConfig, on_ready=None):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        wakeup.close()
         try:
             if fe.started and fe.conn is not None and not fe.conn.broken:
                 fe.stop()
@@ -233,11 +267,15 @@ def _event_printer():
 
 
 class _Loop:
-    def __init__(self, cfg, nq, stop, session=None, pcap=None):
+    def __init__(self, cfg, nq, stop, session=None, pcap=None, wakeup=None):
         self.cfg, self.nq, self.stop = cfg, nq, stop
         self.session = session         # its socket is watched for the backend going away
         self.pcap = pcap               # rings.pcap.PcapWriter: the loops run a burst at a time from Python
+        self.wakeup = wakeup           # signals wake the --wait sleeps at once (a wakeup pipe)
+        self.noisy_sock = None         # a socket that sent unexpected bytes: no longer a wakeup source
         self.next_watch = 0.0
+        self.deadline = float("inf")
+        self.t_end = None
         self.reconnects = []           # one record per backend replaced
         self.await_traffic = None      # (time resumed, rx packets then) until the first packet after a resume
         self.holding = bool(session is not None and session.reconnect)
@@ -326,8 +364,37 @@ class _Loop:
             self.lat_reset_at = None
 
     def run(self):
+        try:
+            self._run()
+        finally:
+            self.t_end = time.monotonic()
+
+    def stop_info(self):
+        """Why the loop ended and how long after the stop was due (a signal, or --seconds) it did."""
+        if self.stop.flag:
+            return {"reason": "signal", "signal": self.stop.signum,
+                    "latency_s": round(self.t_end - self.stop.when, 6)}
+        if self.t_end >= self.deadline:
+            return {"reason": "seconds", "latency_s": round(self.t_end - self.deadline, 6)}
+        return {"reason": "count" if self.cfg.count else "done", "latency_s": 0.0}
+
+    @property
+    def wake(self):
+        """What ends a --wait sleep besides a call: a signal (the wakeup pipe), the backend's socket becoming
+        readable (it left). The session's socket changes when the backend is replaced."""
+        sock = self.session.sock if self.session is not None else None
+        return [x for x in (self.wakeup.rfd if self.wakeup else None, sock)
+                if x is not None and x is not self.noisy_sock]
+
+    def _idle(self, deadline, timeout=0.1):
+        """--wait with nothing received: sleep on the Rx call eventfd, the signal wakeup pipe and the
+        vhost-user socket, never past the deadline; then look at once whether to stop."""
+        self.nq.rx.wait(max(0.0, min(timeout, deadline - time.monotonic())), wake=self.wake)
+        return self._done(deadline, watch=True)
+
+    def _run(self):
         cfg = self.cfg
-        deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
+        deadline = self.deadline = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         if self.lat is not None and cfg.latency_warmup > 0:
             self.lat_reset_at = time.monotonic() + cfg.latency_warmup
         if cfg.mode == "macfwd" and cfg.count:
@@ -427,8 +494,8 @@ class _Loop:
                 if n == 0:
                     if self.backlog:
                         self._send_backlog()
-                    elif self.cfg.wait:
-                        self.nq.rx.wait(0.1)
+                    elif self.cfg.wait and self._idle(deadline):
+                        break
                     continue
                 self._forward(n)
             return
@@ -439,15 +506,16 @@ class _Loop:
 
     def _run_macfwd_wait(self, deadline):
         """--wait: the C loop polls while busy (up to ``spin`` empty polls); then calls are enabled, the ring
-        re-checked and the call eventfd waited on (RxQueue.wait)."""
+        re-checked and the call eventfd waited on (RxQueue.wait, woken early by a signal or the backend
+        leaving)."""
         rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
         p_idx, p_lens, loop = self.p_idx, self.p_lens, lib.vn_fwd_loop
         while not self._done(deadline):
             n = loop(rx, tx, p_idx, p_lens, b, spin, 1)
             if n < 0:
                 self._raise()
-            if n == 0:
-                self.nq.rx.wait(0.1)
+            if n == 0 and self._idle(deadline):
+                break
 
     def _run_rate(self, deadline):
         """Open loop at cfg.rate frames/s (vn_pace_loop); with --wait, block between sends on the Rx call
@@ -468,12 +536,13 @@ class _Loop:
                 self._raise()
             if pc.idle:
                 left = (pc.next_ns - lib.vn_now_ns()) / 1e9
-                if left > 20e-6:
-                    nq.rx.wait(min(left, 0.1))
+                if left > 20e-6 and self._idle(deadline, left):
+                    break
         self.seq = pc.offered
 
-    def _done(self, deadline):
-        """Stop asked, time up, or (checked every 0.1 s) the backend closed the vhost-user socket."""
+    def _done(self, deadline, watch=False):
+        """Stop asked, time up, or (checked every 0.1 s, or now with ``watch``) the backend closed the
+        vhost-user socket."""
         if self.stop.flag:
             return True
         t = time.monotonic()
@@ -484,20 +553,31 @@ class _Loop:
             self.session.events("traffic", after_s=round(t - self.await_traffic[0], 6))
             self.reconnects[-1]["traffic_s"] = round(t - self.await_traffic[0], 6)
             self.await_traffic = None
-        sock = self.session.sock if self.session is not None else None
-        if sock is not None and t >= self.next_watch:
+        if watch or t >= self.next_watch:
             self.next_watch = t + 0.1
-            r, _, _ = select.select([sock], [], [], 0)
-            if r:
-                try:
-                    data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    data = None
-                except OSError:
-                    data = b""
-                if data == b"":
-                    raise PeerGone("the backend closed the vhost-user connection while the driver was running")
+            if self.wakeup is not None:
+                self.wakeup.drain()
+            if self._peer_gone():
+                raise PeerGone("the backend closed the vhost-user connection while the driver was running")
         return False
+
+    def _peer_gone(self):
+        """The backend closed the vhost-user socket (EOF); False while there is no socket to look at."""
+        sock = self.session.sock if self.session is not None else None
+        if sock is None:
+            return False
+        r, _, _ = select.select([sock], [], [], 0)
+        if not r:
+            return False
+        try:
+            data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        if data:   # unexpected bytes: stop waking on them (no busy loop)
+            self.noisy_sock = sock
+        return data == b""
 
     def _raise(self):
         if self.nq.rx.c.q.error:
@@ -536,8 +616,8 @@ class _Loop:
                     self._check(n)
                     self._cap(self.idx[:n])
                     lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
-                elif cfg.wait:
-                    rx.wait(0.1)
+                elif cfg.wait and self._idle(deadline):
+                    break
                 it += 1
                 if not it & 255 and self._done(deadline):
                     break
@@ -551,12 +631,13 @@ class _Loop:
                 break
 
     def drain(self):
-        """Tx: reclaim until nothing is in flight; Rx: receive (and free) whatever comes for cfg.drain s."""
+        """Tx: reclaim until nothing is in flight; Rx: receive (and free) whatever comes for cfg.drain s.
+        Cut short by a second signal, or when the backend has left (nothing more will come)."""
         nq, cfg = self.nq, self.cfg
         tx = nq.tx
         tx.flush()
         end = time.monotonic() + max(cfg.drain, 0.05) + 1.0
-        while (tx.inflight or self.backlog) and time.monotonic() < end:
+        while (tx.inflight or self.backlog) and time.monotonic() < end and not self._drain_stop():
             self._send_backlog()
             tx.cleanup(0)
             self._drain_rx()
@@ -565,9 +646,18 @@ class _Loop:
             nq.pool.free(idx)
         self.backlog = []
         end = time.monotonic() + cfg.drain
-        while time.monotonic() < end:
+        while time.monotonic() < end and not self._drain_stop():
             if not self._drain_rx():
                 time.sleep(0.001)
+
+    def _drain_stop(self):
+        if self.stop.count >= 2:
+            return True
+        t = time.monotonic()
+        if t < self.next_watch:
+            return False
+        self.next_watch = t + 0.05
+        return self._peer_gone()
 
     def _drain_rx(self):
         n = lib.vn_rx_burst(self.nq.rx.c, self.p_idx, self.p_lens, self.cfg.burst)

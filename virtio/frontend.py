@@ -15,7 +15,8 @@ import collections
 import os
 
 from rings import vhost_user as vu
-from rings.errors import ConfigError, FeatureRefused, PeerGone, ProtocolError, ProtocolNack, ProtocolTimeout
+from rings.errors import (BackendBusy, ConfigError, FeatureRefused, PeerGone, ProtocolError, ProtocolNack,
+                          ProtocolTimeout)
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, bit, feature_names)
@@ -98,6 +99,8 @@ class VhostUserFrontend:
         try:
             rep = vu.client_call(self.conn, request, payload, fds, need_reply=ack,
                                  timeout=self.timeout if timeout is None else timeout)
+        except BackendBusy as e:
+            raise BackendBusy(f"backend at {self.path} is busy: {e}") from e
         except PeerGone as e:
             raise PeerGone(f"backend at {self.path} closed the connection during {name}: {e}") from e
         except ProtocolTimeout as e:

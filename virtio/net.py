@@ -259,9 +259,10 @@ class RxQueue:
     def pending(self):
         return bool(lib.vn_rx_pending(self.c))
 
-    def wait(self, timeout):
-        """Block on the call eventfd until a used buffer may be there (notifications on only while waiting).
-        Without a call fd: sleep-poll. Returns True if something is pending."""
+    def wait(self, timeout, wake=()):
+        """Block on the call eventfd until a used buffer may be there (notifications on only while waiting), or
+        until one of the ``wake`` fds becomes readable. Without a call fd: sleep-poll. Returns True if
+        something is pending."""
         if self.pending():
             return True
         self.waits += 1
@@ -270,15 +271,18 @@ class RxQueue:
             while time.monotonic() < deadline:
                 if self.pending():
                     return True
-                time.sleep(0.0005)
+                if wake and select.select(wake, [], [], 0.0005)[0]:
+                    return self.pending()
+                if not wake:
+                    time.sleep(0.0005)
             return False
         self.vq.enable_calls(True)
         self.c.calls_on = 1
         try:
             if self.pending():   # EVT-09: re-check after enabling
                 return True
-            r, _, _ = select.select([self.callfd], [], [], timeout)
-            if r:
+            r, _, _ = select.select([self.callfd, *wake], [], [], timeout)
+            if self.callfd in r:
                 try:
                     os.eventfd_read(self.callfd)
                     self.wakeups += 1

@@ -1,11 +1,10 @@
 """`vring driver`: the virtio-net driver process against a vhost-user backend (e.g. DPDK net_vhost)."""
 import json
 import sys
-import tempfile
-
-from rings import rawdump
 
 from virtio.app import DriverConfig, run
+
+from . import snapshot_options
 
 
 def register(sub):
@@ -56,6 +55,9 @@ def register(sub):
     p.add_argument("--buf-size", type=int, default=2048,
                    help="pool buffer size incl. 128 B headroom (small buffers: chained Tx, merged Rx)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
+                        "them); without it that is a warning (and tx_unfinished in the counters)")
     p.add_argument("--verify", action="store_true",
                    help="check every received frame: MACs swapped, payload intact, sequence numbers")
     p.add_argument("--stamp", action="store_true", help="timestamp generated frames (CLOCK_MONOTONIC ns)")
@@ -88,8 +90,7 @@ def register(sub):
                    "Python once per burst)")
     p.add_argument("--pcap-count", type=int, default=10000, metavar="N",
                    help="with --pcap: stop capturing after N frames (default %(default)s; 0: no limit)")
-    p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
-                   help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
+    snapshot_options.add(p)
     p.add_argument("--dst-mac", default=DriverConfig.dst_mac)
     p.add_argument("--src-mac", default=DriverConfig.src_mac)
     p.set_defaults(run=main)
@@ -107,9 +108,11 @@ def main(args):
         latency_warmup=args.latency_warmup, idle_first=args.idle_first,
         tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst,
         reconnect=args.reconnect, server=args.server, inflight=args.inflight)
-    rawdump.set_snapshot_dir(args.snapshot_dir)
-    if args.mode == "rate" and not args.rate > 0:
-        print("vring driver: --mode rate needs --rate PPS > 0", file=sys.stderr)
+    error = snapshot_options.apply(args)
+    if error is None and args.mode == "rate" and not args.rate > 0:
+        error = "--mode rate needs --rate PPS > 0"
+    if error:
+        print(f"vring driver: {error}", file=sys.stderr)
         return 2
     try:
         res = run(cfg)
@@ -119,6 +122,7 @@ def main(args):
             print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise
+    unfinished = res.get("tx_unfinished", 0)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
@@ -133,4 +137,11 @@ def main(args):
             print(f"verify: {res['verify']}")
         if "pcap" in res:
             print(f"pcap: {res['pcap']}")
+    if unfinished:
+        what = (f"{unfinished} Tx buffer{'s' * (unfinished != 1)} still in flight at exit: the backend never "
+                f"completed them")
+        if args.strict:
+            print(f"vring driver: TxUnfinished: {what}", file=sys.stderr)
+            return 2
+        print(f"vring driver: warning: {what} (--strict makes this an error)", file=sys.stderr)
     return 0

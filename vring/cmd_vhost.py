@@ -3,11 +3,11 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 
-from rings import rawdump
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
+
+from . import snapshot_options
 
 
 def register(sub):
@@ -43,6 +43,9 @@ def register(sub):
     p.add_argument("--max-connections", type=int, default=None, metavar="N",
                    help="exit after N frontends have come and gone (default: serve forever)")
     p.add_argument("--reconnect", type=float, default=1.0, metavar="S", help="--client: retry every S seconds")
+    p.add_argument("--handshake-timeout", type=float, default=5.0, metavar="S",
+                   help="drop a frontend that has not asked GET_FEATURES within S seconds of connecting "
+                        "(default 5); while one frontend is served, others are refused at once")
     p.add_argument("--slice-us", type=int, default=500, metavar="US",
                    help="data-path time slice between looks at the control socket (default 500)")
     p.add_argument("--timing", action="store_true",
@@ -52,12 +55,11 @@ def register(sub):
                         "enqueue that delivered packets, before the Tx chains they came from are completed: the "
                         "window a restarting frontend must handle (default 0: never)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
-    p.add_argument("--snapshot-dir", metavar="DIR", default=tempfile.gettempdir(),
-                   help="where a queue broken by hostile input writes its raw ring snapshot (default %(default)s)")
     p.add_argument("--pcap", metavar="FILE", help="write the frames taken off and put on the rings (pcap; "
                    "captured one burst at a time, which drains the intermediate queue after every burst)")
     p.add_argument("--pcap-count", type=int, default=10000, metavar="N",
                    help="with --pcap: stop capturing after N frames (default %(default)s; 0: no limit)")
+    snapshot_options.add(p)
     p.add_argument("-v", "--verbose", action="count", default=0)
     p.set_defaults(run=run)
 
@@ -79,27 +81,34 @@ def run(args):
                        timing=args.timing, pcap=pcap, idle=args.idle, idle_polls=args.idle_polls,
                        crash_after=args.crash_after)
     except (ConfigError, OSError, ValueError) as e:
-        raise SystemExit(f"vring vhost: {e}")
+        return _error(e)
     if args.pin is not None:
         try:
             os.sched_setaffinity(0, {args.pin})
         except OSError as e:
-            raise SystemExit(f"vring vhost: cannot pin to CPU {args.pin}: {e}")
+            return _error(f"cannot pin to CPU {args.pin}: {e}")
+    if args.handshake_timeout <= 0:
+        return _error("--handshake-timeout must be > 0")
+    error = snapshot_options.apply(args)
+    if error:
+        return _error(error)
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
-                    stats_interval=args.stats_interval, json_stats=args.json)
+                    stats_interval=args.stats_interval, json_stats=args.json,
+                    handshake_timeout=args.handshake_timeout)
     signal.signal(signal.SIGINT, server.stop)
     signal.signal(signal.SIGTERM, server.stop)
-    try:
-        server.open()
-    except ConfigError as e:
-        raise SystemExit(f"vring vhost: {e}")
-    rawdump.set_snapshot_dir(args.snapshot_dir)
     ctl = None
-    if args.ctl:
-        def queue(index):  # the queues of the current connection's data path, if any
-            dp = server.device.datapath if server.device is not None else None
-            return None if dp is None else (dp.rxq, dp.txq)[index]
-        ctl = ControlServer(args.ctl).register("rx", lambda: queue(0)).register("tx", lambda: queue(1)).start()
+    try:   # a live socket at either path is never taken over: a clear error, exit 2
+        server.open()
+        if args.ctl:
+            def queue(index):  # the queues of the current connection's data path, if any
+                dp = server.device.datapath if server.device is not None else None
+                return None if dp is None else (dp.rxq, dp.txq)[index]
+            ctl = ControlServer(args.ctl).register("rx", lambda: queue(0)).register("tx", lambda: queue(1))
+            ctl.start()
+    except ConfigError as e:
+        server.close()
+        return _error(e)
     if not args.client:
         print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
     try:
@@ -112,3 +121,8 @@ def run(args):
             print(f"vring vhost: pcap {pcap.path}: {pcap.written} frames" +
                   (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else ""), file=sys.stderr)
     return 0
+
+
+def _error(e):
+    print(f"vring vhost: {e}", file=sys.stderr, flush=True)
+    return 2

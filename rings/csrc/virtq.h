@@ -42,9 +42,13 @@ enum {
     VQ_ERR_USED_ID_NOT_IN_FLIGHT = 13,
     VQ_ERR_USED_LEN_TOO_LARGE = 14,
     VQ_ERR_USED_IDX_JUMP = 15,
+    VQ_ERR_SLOT_IN_FLIGHT = 16,
+    VQ_ERR_BASE_OUT_OF_RANGE = 17,
     VQ_USAGE_NOT_IN_FLIGHT = 100, /* local API misuse, not a ring error */
     VQ_USAGE_OUT_OF_ORDER = 101,
     VQ_USAGE_SHADOW_FULL = 102,
+    VQ_USAGE_NOT_IDLE = 103,
+    VQ_USAGE_BAD_SIZE = 104,
 };
 
 /* Every access to ring memory (rings, descriptor and indirect tables, event fields) goes through one of
@@ -385,7 +389,8 @@ static inline int vq_drv_kick_prepare(struct vq_driver *q)
     int need;
     VQ_FENCE();   /* MEM-03 / EVT-25: publish before reading the device's suppression fields */
     if (q->packed) {
-        uint16_t flags = VQ_ONCE(q->device_event->flags);
+        /* EVT-19: the peer writes off_wrap, then flags; flags first, with acquire, then off_wrap */
+        uint16_t flags = VQ_ACQUIRE(q->device_event->flags);
         if (flags == RING_EVENT_FLAGS_DISABLE)
             need = 0;
         else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)
@@ -645,6 +650,36 @@ static inline void vq_drv_enable_calls(struct vq_driver *q, int on)
 /* Device half                                                                             */
 /* ======================================================================================= */
 
+/* Queue start: the positions from a vhost-user vring base (split: the free-running avail index; packed:
+ * slot | wrap << 15, DPDK's encoding), checked here whatever the caller checked, so that no base from a
+ * message ever becomes a slot index outside the ring. ``taken``: buffers (split) / descriptors (packed) past
+ * the used position that a predecessor had taken and that are replayed from elsewhere (inflight tracking):
+ * the avail position starts that far ahead. Only on an idle queue. 0, or an error code. */
+static inline int vq_dev_set_base(struct vq_device *q, uint32_t base, uint32_t taken)
+{
+    uint16_t size = q->size;
+    if (size == 0 || size > 32768 || (!q->packed && (size & (size - 1))))
+        return VQ_USAGE_BAD_SIZE;
+    if (q->inflight || q->shadow_count || q->fifo_count)
+        return VQ_USAGE_NOT_IDLE;
+    if (base > 0xffff || (q->packed && (base & 0x7fff) >= size))
+        return vq_dev_fail(q, VQ_ERR_BASE_OUT_OF_RANGE, base, size);
+    if (taken > size)
+        return vq_dev_fail(q, VQ_ERR_BASE_OUT_OF_RANGE, taken, size);
+    if (q->packed) {
+        uint32_t avail = (base & 0x7fff) + taken;   /* < 2 * size: one lap at most */
+        q->used_idx = (uint16_t)(base & 0x7fff);
+        q->used_wrap = (uint16_t)(base >> 15);
+        q->last_avail = (uint16_t)(avail >= size ? avail - size : avail);
+        q->avail_wrap = (uint16_t)(q->used_wrap ^ (avail >= size));
+    } else {
+        q->used_idx = (uint16_t)base;
+        q->last_avail = (uint16_t)(base + taken);
+    }
+    q->inflight_slots = 0;
+    return 0;
+}
+
 /* Emit one segment into the chains arrays; checks translation and readable-before-writable. */
 static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t *s, uint64_t addr,
                               uint32_t len, int writable, int *seen_w, uint64_t *rlen, uint64_t *wlen)
@@ -669,6 +704,13 @@ static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t
         c->seg_host[*s] = host;
     (*s)++;
     return 0;
+}
+
+/* Entry j of an indirect table, copied out: the driver may place a table at any address (no alignment is
+ * required of it), and it does not change while available, so a plain byte copy is the right read. */
+static inline void vq_copy_indirect(void *entry, const uint8_t *table, uint32_t j)
+{
+    memcpy(entry, table + (size_t)j * 16, 16);
 }
 
 /* Validate an indirect descriptor and return its table (SPLIT-V-14, SPLIT-D-09). */
@@ -706,6 +748,8 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
     q->id_wlen[id] = (uint32_t)wlen;
     q->id_inflight[id] = 1;
     q->inflight++;
+    if (q->packed)
+        q->inflight_slots += ndesc;   /* checked against the ring size while walking */
     if (q->in_order) {
         uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
         q->fifo[tail >= q->size ? tail - q->size : tail] = id;
@@ -791,6 +835,8 @@ static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const
     c->n = k0 + n;
     c->nsegs = s0 + n;
     q->inflight += (uint16_t)n;
+    if (q->packed)
+        q->inflight_slots += n;   /* one slot each, checked against the ring size while taken */
 }
 
 /* Split: one-descriptor chains from last_avail up to avail_idx (already checked against the jump rule).
@@ -874,6 +920,10 @@ static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c,
             uint64_t addr = VQ_ONCE(d->addr);
             uint32_t len = VQ_ONCE(d->len);
             uint16_t id = VQ_ONCE(d->id);
+            if (q->inflight_slots + r.n + 1 > size) {   /* as vq_dev_chain_packed: PACKED-D-11/05 */
+                rc = vq_dev_fail(q, VQ_ERR_SLOT_IN_FLIGHT, slot, q->inflight_slots + r.n);
+                break;
+            }
             uint8_t *host = vq_translate0(&r0, mem, addr, len);
             if (!host) {
                 rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
@@ -910,16 +960,20 @@ static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c,
 static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, uint16_t head)
 {
     uint16_t size = q->size;
-    const struct vring_desc *table = q->desc;
+    const uint8_t *table = 0;   /* the indirect table, once in one */
     uint32_t limit = size, hops = 0, i = head, s = c->nsegs, ring_descs = 0;
     int in_indirect = 0, seen_w = 0, r;
     uint64_t rlen = 0, wlen = 0;
     for (;;) {
         struct vring_desc d;
-        d.addr = VQ_ONCE(table[i].addr);
-        d.len = VQ_ONCE(table[i].len);
-        d.flags = VQ_ONCE(table[i].flags);
-        d.next = VQ_ONCE(table[i].next);
+        if (in_indirect) {
+            vq_copy_indirect(&d, table, i);
+        } else {
+            d.addr = VQ_ONCE(q->desc[i].addr);
+            d.len = VQ_ONCE(q->desc[i].len);
+            d.flags = VQ_ONCE(q->desc[i].flags);
+            d.next = VQ_ONCE(q->desc[i].next);
+        }
         if (++hops > limit)
             return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, head, hops);
         ring_descs += !in_indirect;
@@ -928,7 +982,7 @@ static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, u
                 return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, head, i);
             if (d.flags & VIRTQ_DESC_F_NEXT)
                 return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, head, i);
-            table = (const struct vring_desc *)vq_dev_indirect(q, d.addr, d.len, &limit);
+            table = vq_dev_indirect(q, d.addr, d.len, &limit);
             if (!table)
                 return -1;
             in_indirect = 1;
@@ -991,22 +1045,24 @@ static inline int vq_dev_chain_packed(struct vq_device *q, struct vq_chains *c, 
         d.flags = VQ_ONCE(q->pdesc[slot].flags);
         if (++ndesc > size)
             return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, q->last_avail, ndesc);
+        /* PACKED-D-11/05: a slot of a chain still in flight (the used position has not passed it) offered
+         * again; taking it would let the available position lap the used one */
+        if ((uint32_t)ndesc + q->inflight_slots > size)
+            return vq_dev_fail(q, VQ_ERR_SLOT_IN_FLIGHT, slot, q->inflight_slots);
         id = d.id;
         if (d.flags & VIRTQ_DESC_F_INDIRECT) {
             uint32_t count;
             if ((d.flags & VIRTQ_DESC_F_NEXT) || ndesc > 1)   /* PACKED-D-20 */
                 return vq_dev_fail(q, VQ_ERR_INDIRECT_WITH_NEXT, q->last_avail, slot);
-            const struct vring_packed_desc *t =
-                (const struct vring_packed_desc *)vq_dev_indirect(q, d.addr, d.len, &count);
+            const uint8_t *t = vq_dev_indirect(q, d.addr, d.len, &count);
             if (!t)
                 return -1;
             for (uint32_t j = 0; j < count; j++) {   /* PACKED-V-13: sequential, only WRITE counts */
-                uint64_t a = VQ_ONCE(t[j].addr);
-                uint32_t l = VQ_ONCE(t[j].len);
-                uint16_t f = VQ_ONCE(t[j].flags);
-                if (f & VIRTQ_DESC_F_INDIRECT)
+                struct vring_packed_desc e;
+                vq_copy_indirect(&e, t, j);
+                if (e.flags & VIRTQ_DESC_F_INDIRECT)
                     return vq_dev_fail(q, VQ_ERR_NESTED_INDIRECT, q->last_avail, j);
-                r = vq_dev_emit(q, c, &s, a, l, !!(f & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
+                r = vq_dev_emit(q, c, &s, e.addr, e.len, !!(e.flags & VIRTQ_DESC_F_WRITE), &seen_w, &rlen, &wlen);
                 if (r)
                     return r;
             }
@@ -1109,7 +1165,7 @@ struct vq_shadow {
     const uint32_t *id, *len, *id_wlen;
     const uint16_t *id_ndesc;
     uint8_t *id_inflight;
-    uint32_t count;
+    uint32_t count, inflight_slots;
     uint16_t size, used_idx, used_wrap, inflight, call_added;
     uint8_t batch;
 };
@@ -1119,13 +1175,13 @@ static inline void vq_shadow_load(struct vq_shadow *v, const struct vq_device *q
     v->id = q->shadow_id; v->len = q->shadow_len; v->id_wlen = q->id_wlen; v->id_ndesc = q->id_ndesc;
     v->id_inflight = q->id_inflight; v->count = q->shadow_count; v->size = q->size;
     v->used_idx = q->used_idx; v->used_wrap = q->used_wrap; v->inflight = q->inflight;
-    v->call_added = q->call_added; v->batch = q->in_order && q->batch;
+    v->call_added = q->call_added; v->batch = q->in_order && q->batch; v->inflight_slots = q->inflight_slots;
 }
 
 static inline void vq_shadow_store(const struct vq_shadow *v, struct vq_device *q)
 {
     q->used_idx = v->used_idx; q->used_wrap = v->used_wrap; q->inflight = v->inflight;
-    q->call_added = v->call_added;
+    q->call_added = v->call_added; q->inflight_slots = v->inflight_slots;
 }
 
 /* End of the batch starting at shadow entry i (INORDER-10: only fully written buffers are skipped). */
@@ -1174,7 +1230,7 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
         uint16_t used = v.used_idx, wrap = v.used_wrap, added = 0;
         for (uint32_t i = 0; i < v.count; i++) {
             uint32_t id = v.id[i], len = v.len[i];
-            uint16_t adv = v.id_ndesc[id];
+            uint16_t adv = v.id_ndesc[id];   /* <= size: used + adv < 2 * size <= 65536 */
             struct vring_packed_desc *d = &ring[used];
             uint16_t flags = vq_used_bits(wrap) | (len ? VIRTQ_DESC_F_WRITE : 0);
             VQ_STORE(d->id, (uint16_t)id);
@@ -1194,14 +1250,14 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
         v.used_idx = used;
         v.used_wrap = wrap;
         v.inflight -= (uint16_t)v.count;
+        v.inflight_slots -= added;
         v.call_added += added;
         vq_shadow_store(&v, q);
         VQ_RELEASE(ring[first].flags, first_flags);   /* PACKED-V-16: the first one last */
         return;
     }
     for (uint32_t i = 0; i < v.count;) {
-        uint32_t j = vq_dev_batch_end(&v, i);
-        uint16_t adv = 0;
+        uint32_t j = vq_dev_batch_end(&v, i), adv = 0;
         struct vring_packed_desc *d = &ring[v.used_idx];
         uint16_t flags = vq_used_bits(v.used_wrap) | (v.len[j] ? VIRTQ_DESC_F_WRITE : 0);
         VQ_STORE(d->id, (uint16_t)v.id[j]);   /* INORDER-11/13: last id, at the batch's first slot */
@@ -1214,12 +1270,15 @@ static inline void vq_dev_flush_packed(struct vq_device *q)
             first_flags = flags;
         else
             VQ_SET(d->flags, flags);   /* after its body, before the first's */
-        v.used_idx += adv;
-        if (v.used_idx >= v.size) {
-            v.used_idx -= v.size;
+        /* adv <= inflight_slots <= size (poll refuses slots in flight): one lap at most */
+        uint32_t pos = (uint32_t)v.used_idx + adv;
+        while (pos >= v.size) {
+            pos -= v.size;
             v.used_wrap ^= 1;
         }
-        v.call_added += adv;
+        v.used_idx = (uint16_t)pos;
+        v.inflight_slots -= adv;
+        v.call_added += (uint16_t)adv;
         i = j + 1;
     }
     vq_shadow_store(&v, q);
@@ -1242,7 +1301,8 @@ static inline int vq_dev_call_prepare(struct vq_device *q)
     int need;
     VQ_FENCE();   /* MEM-10: publish used before reading the driver's suppression fields */
     if (q->packed) {
-        uint16_t flags = VQ_ONCE(q->driver_event->flags);
+        /* EVT-19: the peer writes off_wrap, then flags; flags first, with acquire, then off_wrap */
+        uint16_t flags = VQ_ACQUIRE(q->driver_event->flags);
         if (flags == RING_EVENT_FLAGS_DISABLE)
             need = 0;
         else if (flags == RING_EVENT_FLAGS_DESC && q->event_idx)

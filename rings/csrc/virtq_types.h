@@ -96,6 +96,7 @@ struct vq_device {
     uint16_t used_idx, used_wrap;
     uint16_t call_added;
     uint16_t inflight;
+    uint32_t inflight_slots;        /* packed: ring slots of the chains in flight, from used_idx to last_avail */
 
     uint16_t *id_ndesc;
     uint32_t *id_wlen;

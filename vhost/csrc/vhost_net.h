@@ -423,7 +423,8 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
                 continue;
             }
             /* reserve enough buffers first (NET-29..31), polling more when the carry runs out */
-            uint32_t j = k, acc = 0;
+            uint32_t j = k;
+            uint64_t acc = 0;   /* wlen is up to 2^32-1 per buffer: a 32-bit sum wraps */
             int enough = 1;
             while (acc < total) {
                 if (j == c->n) {

@@ -1,0 +1,121 @@
+"""`vring driver` at the end of a run (issue 8): --wait honours signals, --seconds and the loss of the backend
+within 100 ms; Tx buffers the backend never completed are reported (warning + tx_unfinished), and are an
+error with --strict."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vhost.datapath import Options
+from vhost.testing import ThreadedServer
+
+
+def driver(sock, *args):
+    argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--json", *map(str, args)]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def running(srv, timeout=20.0):
+    assert srv.wait(lambda s: bool(s.device and s.device.datapath), timeout), "the driver did not start"
+    time.sleep(0.3)   # well into the idle --wait sleeps
+
+
+def finish(proc, timeout=30):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.fixture
+def sock(tmp_path):
+    return str(tmp_path / "vhost.sock")
+
+
+@pytest.fixture
+def server(sock):
+    srv = ThreadedServer(sock, Options())
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("mode", ["rxonly", "macfwd"])
+def test_wait_stops_on_sigterm_within_100ms(server, sock, mode):
+    proc = driver(sock, "--mode", mode, "--wait", "--drain", "0")
+    try:
+        running(server)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["stop"]["signal"] == signal.SIGTERM
+    assert res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert took < 5.0, f"exit took {took:.2f}s after SIGTERM"   # was ~23 s
+
+
+def test_wait_honours_seconds_within_100ms(server, sock):
+    proc = driver(sock, "--mode", "rxonly", "--wait", "--seconds", "0.7", "--drain", "0")
+    rc, out, err = finish(proc)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "seconds" and res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert res["elapsed_s"] < 0.8, res["elapsed_s"]                   # was overrunning by ~20 s
+
+
+@pytest.mark.parametrize("mode", ["rxonly", "macfwd"])
+def test_wait_notices_the_backend_leaving_within_100ms(sock, mode):
+    srv = ThreadedServer(sock, Options())
+    proc = driver(sock, "--mode", mode, "--wait", "--drain", "0")
+    try:
+        running(srv)
+        t0 = time.monotonic()
+        srv.close()                                                   # the backend goes away
+        rc, out, err = finish(proc)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    assert rc == 2 and "PeerGone" in err and "closed the vhost-user connection" in err, err
+    assert took < 2.0, f"the driver noticed after {took:.2f}s"        # was 5-24 s; ~0.1 s is process exit
+
+
+@pytest.fixture
+def silent_tx_server(sock, monkeypatch):
+    """A backend that answers every message but never runs its data path: Tx buffers are never completed."""
+    from vhost.device import NetDevice
+
+    def no_datapath(self, budget_us):
+        time.sleep(0.001)
+        return {}
+    monkeypatch.setattr(NetDevice, "run", no_datapath)
+    srv = ThreadedServer(sock, Options())
+    yield srv
+    srv.close()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_unfinished_tx_is_reported(silent_tx_server, sock, strict):
+    proc = driver(sock, "--mode", "txonly", "--count", "10", "--drain", "0.05", *(["--strict"] if strict else []))
+    rc, out, err = finish(proc)
+    res = json.loads(out)
+    assert res["tx_unfinished"] == 10 and res["tx"]["inflight"] == 10
+    if strict:
+        assert rc == 2 and "vring driver: TxUnfinished: 10 Tx buffers still in flight at exit" in err, err
+    else:
+        assert rc == 0 and "vring driver: warning: 10 Tx buffers still in flight at exit" in err, err
+
+
+def test_completed_tx_is_not_reported(server, sock):
+    proc = driver(sock, "--mode", "txonly", "--count", "100", "--strict")
+    rc, out, err = finish(proc)
+    assert rc == 0 and "still in flight" not in err, err
+    assert json.loads(out)["tx_unfinished"] == 0
