@@ -1,7 +1,8 @@
 """Named mutants of spec rules, each applied to both implementations at once: the C engine (rings/csrc/virtq.h,
 or rings/virtq.py where the rule lives in its Python half) and the reference model (rings/reference.py, or
-rings/layout.py which it uses). An edit is (file, exact snippet, replacement); the snippet must occur exactly
-once, or run.py stops: a mutant must never turn silently into a no-op when the files change.
+rings/layout.py which it uses); the C engine's one-descriptor fast paths, which only C has, get mutants of their
+own. An edit is (file, exact snippet, replacement); the snippet must occur exactly once, or run.py stops: a
+mutant must never turn silently into a no-op when the files change.
 
 ``ids``: the checklist IDs of the rule broken; a mutant counts as killed only if a test whose name carries one
 of them fails.
@@ -126,6 +127,18 @@ MUTANTS = [
              "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != !!(flags & VIRTQ_DESC_F_USED))"),
             (REF, "            if bool(flags & VIRTQ_DESC_F_AVAIL) != w or bool(flags & VIRTQ_DESC_F_USED) != w:",
              "            if bool(flags & VIRTQ_DESC_F_AVAIL) != bool(flags & VIRTQ_DESC_F_USED):"))),
+    # the C engine's one-descriptor fast paths keep their own copy of these rules (C only: the reference
+    # has no fast path; these must be killed by the C instance of the aimed tests)
+    Mutant("packed_d_24_fast_path_ignores_wrap", ("PACKED-D-24",),
+           "the driver's one-descriptor reclaim takes a slot as used when AVAIL == USED, whatever its wrap",
+           ((H, "        if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED)) != vq_used_bits(w))\n            break;",
+             "        if (!!(flags & VIRTQ_DESC_F_AVAIL) != !!(flags & VIRTQ_DESC_F_USED))\n            break;"),)),
+    Mutant("packed_d_12_fast_path_head_available_first", ("PACKED-D-12", "MEM-06"),
+           "the driver's one-descriptor add stores the batch's first head flags at once, not at publish",
+           ((H, "        if (pending++ == 0) {\n            q->pending_head = slot;\n            q->pending_flags = flags;\n"
+                "        } else {\n            VQ_SET(d->flags, flags);\n        }",
+             "        if (pending++ == 0) {\n            q->pending_head = slot;\n            q->pending_flags = flags;\n"
+             "        }\n        VQ_SET(d->flags, flags);"),)),
     # ---- notifications, driver -------------------------------------------------------------------
     Mutant("evt_02_avail_flags_set_with_event_idx", ("EVT-02",),
            "with EVENT_IDX the driver still sets avail.flags to suppress calls",
@@ -156,8 +169,11 @@ MUTANTS = [
     # ---- split device ----------------------------------------------------------------------------
     Mutant("split_v_04_device_writes_descriptor", ("SPLIT-V-04",),
            "the device clears the len of each descriptor it has read",
-           ((H, "        d.next = VQ_ONCE(table[i].next);\n",
-             "        d.next = VQ_ONCE(table[i].next);\n        VQ_STORE(((struct vring_desc *)table)[i].len, 0);\n"),
+           ((H, "            d.next = VQ_ONCE(q->desc[i].next);\n",
+             "            d.next = VQ_ONCE(q->desc[i].next);\n            VQ_STORE(q->desc[i].len, 0);\n"),
+            (H, "            uint32_t len = VQ_ONCE(desc[head].len);\n",   # the one-descriptor fast path
+             "            uint32_t len = VQ_ONCE(desc[head].len);\n"
+             "            VQ_STORE(((struct vring_desc *)desc)[head].len, 0);\n"),
             (REF, "            addr, length, flags, nxt = _DESC.unpack_from(table, 16 * i)  # copied out, then checked\n",
              "            addr, length, flags, nxt = _DESC.unpack_from(table, 16 * i)  # copied out, then checked\n"
              "            _pack(_DESC, table, 16 * i, addr, 0, flags, nxt)\n"))),
@@ -175,11 +191,11 @@ MUTANTS = [
             (REF, "                if in_table:  # SPLIT-D-07", "                if in_table or ndesc > 1:  # SPLIT-D-07"))),
     Mutant("split_v_08_used_idx_before_elements", ("SPLIT-V-08", "MEM-07"),
            "used.idx is published before the used elements are written",
-           ((H, "    uint16_t size = q->size;\n    for (uint32_t i = 0; i < q->shadow_count;) {\n"
-                 "        uint32_t j = vq_dev_batch_end(q, i);\n        struct vring_used_elem",
-             "    uint16_t size = q->size;\n    VQ_RELEASE(q->used->idx, (uint16_t)(q->used_idx + q->shadow_count));\n"
-             "    for (uint32_t i = 0; i < q->shadow_count;) {\n"
-             "        uint32_t j = vq_dev_batch_end(q, i);\n        struct vring_used_elem"),
+           ((H, "    vq_shadow_load(&v, q);\n    for (uint32_t i = 0; i < v.count;) {\n"
+                 "        uint32_t j = vq_dev_batch_end(&v, i);\n        struct vring_used_elem",
+             "    vq_shadow_load(&v, q);\n    VQ_RELEASE(q->used->idx, (uint16_t)(v.used_idx + v.count));\n"
+             "    for (uint32_t i = 0; i < v.count;) {\n"
+             "        uint32_t j = vq_dev_batch_end(&v, i);\n        struct vring_used_elem"),
             (REF, "            for batch in self._batches():\n                id, length = batch[-1]  # INORDER-06",
              "            self._release16(self.used, 2, (self.used_idx + len(self.shadow)) & 0xFFFF)\n"
              "            for batch in self._batches():\n                id, length = batch[-1]  # INORDER-06"))),
@@ -215,13 +231,27 @@ MUTANTS = [
              "        if (!!(flags & VIRTQ_DESC_F_AVAIL) == !!(flags & VIRTQ_DESC_F_USED))"),
             (REF, "        if bool(flags & VIRTQ_DESC_F_AVAIL) != wrap or bool(flags & VIRTQ_DESC_F_USED) == wrap:",
              "        if bool(flags & VIRTQ_DESC_F_AVAIL) == bool(flags & VIRTQ_DESC_F_USED):"))),
+    Mutant("packed_v_04_fast_path_ignores_wrap", ("PACKED-V-04",),
+           "the device's one-descriptor poll takes a slot as available when AVAIL != USED, whatever its wrap",
+           ((H, "            if ((flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED | VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))\n"
+                "                    != vq_avail_bits(w)) {",
+             "            if (!!(flags & VIRTQ_DESC_F_AVAIL) == !!(flags & VIRTQ_DESC_F_USED)\n"
+             "                    || (flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))) {"),)),
     Mutant("packed_v_05_used_flags_before_body", ("PACKED-V-05", "MEM-07"),
            "a used descriptor's id and len are stored after its flags",
-           ((H, "        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);   /* INORDER-11/13: last id, at the batch's "
-                 "first slot */\n        VQ_STORE(d->len, q->shadow_len[j]);\n", ""),
-            (H, "            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n",
-             "            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n"
-             "        VQ_STORE(d->id, (uint16_t)q->shadow_id[j]);\n        VQ_STORE(d->len, q->shadow_len[j]);\n"),
+           ((H, "        VQ_STORE(d->id, (uint16_t)v.id[j]);   /* INORDER-11/13: last id, at the batch's "
+                 "first slot */\n        VQ_STORE(d->len, v.len[j]);\n", ""),
+            (H, "        else\n            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n"
+                "        /* adv <= inflight_slots",
+             "        else\n            VQ_SET(d->flags, flags);   /* after its body, before the first's */\n"
+             "        VQ_STORE(d->id, (uint16_t)v.id[j]);\n        VQ_STORE(d->len, v.len[j]);\n"
+             "        /* adv <= inflight_slots"),
+            (H, "            VQ_STORE(d->id, (uint16_t)id);\n            VQ_STORE(d->len, len);\n"   # one per buffer
+                "            v.id_inflight[id] = 0;\n            if (i == 0)\n                first_flags = flags;\n"
+                "            else\n                VQ_SET(d->flags, flags);   /* after its body, before the first's */\n",
+             "            v.id_inflight[id] = 0;\n            if (i == 0)\n                first_flags = flags;\n"
+             "            else\n                VQ_SET(d->flags, flags);\n"
+             "            VQ_STORE(d->id, (uint16_t)id);\n            VQ_STORE(d->len, len);\n"),
             (REF, "                _pack(_LEN_ID, self.desc, 16 * self.used_idx + 8, length, id)\n", ""),
             (REF, "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)\n",
              "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)\n"
@@ -230,6 +260,9 @@ MUTANTS = [
            "the first used descriptor's flags are stored in turn (and again at the end), not last",
            ((H, "        if (i == 0)\n            first_flags = flags;\n        else\n            VQ_SET(d->flags, flags);",
              "        if (i == 0)\n            first_flags = flags;\n        VQ_SET(d->flags, flags);"),
+            (H, "            if (i == 0)\n                first_flags = flags;\n            else\n"   # one per buffer
+                "                VQ_SET(d->flags, flags);",
+             "            if (i == 0)\n                first_flags = flags;\n            VQ_SET(d->flags, flags);"),
             (REF, "                else:  # PACKED-V-05: body, then flags\n"
                   "                    self._put16(self.desc, 16 * self.used_idx + 14, flags)",
              "                self._put16(self.desc, 16 * self.used_idx + 14, flags)"))),
@@ -242,13 +275,13 @@ MUTANTS = [
     # ---- IN_ORDER device -------------------------------------------------------------------------
     Mutant("inorder_02_order_check_removed", ("INORDER-02",),
            "IN_ORDER: push_used accepts completions out of avail order",
-           ((H, "            if (q->fifo_count == 0 || q->fifo[q->fifo_head] != id)\n"
-                 "                return VQ_USAGE_OUT_OF_ORDER;\n", ""),
+           ((H, "            if (fifo_count == 0 || fifo[fifo_head] != id) {\n"
+                 "                rc = VQ_USAGE_OUT_OF_ORDER;\n                break;\n            }\n", ""),
             (REF, "            if self.in_order and self.fifo[k] != id:  # INORDER-02",
              "            if False:  # INORDER-02"))),
     Mutant("inorder_10_partial_buffer_skipped", ("INORDER-10", "SPLIT-V-09"),
            "IN_ORDER batching skips over a buffer that was not written completely",
-           ((H, "    while (i + 1 < q->shadow_count && q->shadow_len[i] == q->id_wlen[q->shadow_id[i]])",
-             "    while (i + 1 < q->shadow_count)"),
+           ((H, "    while (i + 1 < v->count && v->len[i] == v->id_wlen[v->id[i]])",
+             "    while (i + 1 < v->count)"),
             (REF, "            if length != self.id_wlen[id]:", "            if False:"))),
 ]
