@@ -233,6 +233,27 @@ def test_packed_v_04_zero_ring_and_stale_slots_not_available(impl):
     assert r.dev.snapshot()["indices"]["last_avail"] == 1
 
 
+def test_packed_v_04_stale_one_descriptor_slots_of_a_batch_not_available(impl):
+    """PACKED-V-04 (PACKED-V-18) for one-descriptor buffers: an IN_ORDER batch of four comes back as one used
+    descriptor at slot 0, so slots 1-3 keep last lap's flags (AVAIL=1, USED=0: available for wrap 1 only).
+    Next lap, one buffer at slot 0 is available, and nothing after it."""
+    size = 4
+    r = Ring(impl, "packed", size, VIRTIO_F_IN_ORDER, batch=True)
+    assert r.add([(0, 1)] * size)[0] == size
+    r.drv.publish()
+    ch = r.dev.poll()
+    assert ch.n == size
+    r.dev.push_used(ch.id, ch.wlen)   # all written in full: one batch, one used descriptor
+    r.dev.flush()
+    assert len(r.drv.reclaim()[0]) == size
+    assert all(r.packed_avail(slot, 1) for slot in (1, 2, 3))   # stale, from lap 1
+    assert r.add([(0, 1)])[0] == 1   # lap 2: slot 0, wrap 0
+    r.drv.publish()
+    assert r.dev.poll().n == 1
+    assert r.dev.poll().n == 0, "a descriptor of the last lap was taken as available"
+    assert r.dev.snapshot()["indices"]["last_avail"] == 1
+
+
 def test_packed_d_24_zero_ring_and_stale_used_not_taken_as_used(impl):
     """PACKED-D-24: the driver takes a slot as used only if AVAIL == USED == its used wrap counter. Buffers
     added but not yet published sit on a zero slot (lap 1) and on a slot still holding last lap's used

@@ -5,7 +5,7 @@ import pytest
 
 from rings.layout import VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC
 
-from ring import TABLES, Ring
+from ring import BUF, DATA, TABLES, Ring
 
 SHAPES = [(1, 0), (0, 1), (2, 1), (1, 3), (3, 0), (0, 2), (2, 2), (1, 1)]   # (readable, writable)
 
@@ -130,6 +130,35 @@ def test_packed_d_12_packed_d_22_mem_04_bodies_then_flags_head_last(rec, indirec
             assert all(i < head_flags for i in others), f"list at {slots[0]}: head made available before the rest"
             slot = (slot + len(slots)) % 13
         assert log[first_head].kind == "R" and first_head == stores[-1][0]
+        ch = r.dev.poll()
+        assert ch.n == n
+        r.dev.push_used(ch.id, [0] * n)
+        r.dev.flush()
+        r.drv.reclaim()
+
+
+@pytest.mark.parametrize("writable", [False, True], ids=["readable", "writable"])
+def test_packed_d_12_packed_d_22_one_descriptor_buffers_head_last(rec, writable):
+    """The same rules for one-descriptor buffers added with add_simple (the C engine's fast path): per slot the
+    body, then one flags store; the batch's first head flags are the last store, a release store. Over batches
+    that wrap the ring."""
+    r = Ring(rec.mod, "packed", 13)
+    for rnd in range(4):
+        pos = r.drv.snapshot()["indices"]["next_avail"]
+        n = 5
+        with rec.capture(r.mem) as log:
+            assert r.drv.add_simple([DATA + BUF * k for k in range(n)], [64] * n,
+                                    list(range(rnd * n, rnd * n + n)), writable=writable) == n
+            r.drv.publish()
+        stores = [(i, a) for i, a in enumerate(log) if a.store]
+        for k in range(n):
+            slot = (pos + k) % 13
+            acc = [(i, a) for i, a in stores if slot_of(r, a) == slot]
+            flags = [i for i, a in acc if (a.gpa - r.layout.desc) % 16 == 14]
+            assert len(flags) == 1 and acc[-1][0] == flags[0], f"slot {slot}: stored after its flags"
+        last = stores[-1][1]
+        assert slot_of(r, last) == pos and (last.gpa - r.layout.desc) % 16 == 14 and last.kind == "R", \
+            "the batch's first head was made available before the rest of the batch"
         ch = r.dev.poll()
         assert ch.n == n
         r.dev.push_used(ch.id, [0] * n)
