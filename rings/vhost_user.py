@@ -987,6 +987,18 @@ def listen_unix(path, backlog: int = 1) -> socket.socket:
     return sock
 
 
+def close_listener(listener: socket.socket, path, ino) -> None:
+    """Close a socket made by ``listen_unix`` and remove its file, if the file there is still that socket (inode
+    ``ino``, ``os.lstat(path).st_ino`` right after listening), not one somebody else has bound since."""
+    listener.close()
+    try:
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and st.st_ino == ino:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def accept_unix(listener: socket.socket, timeout: float | None = None) -> Connection:
     """Accept one connection from ``listen_unix``'s socket; ProtocolTimeout if nobody connects in time."""
     listener.settimeout(timeout)

@@ -15,7 +15,6 @@ Kick and call eventfds pass straight through by default: the data path never inv
 import logging
 import os
 import select
-import stat
 import threading
 import time
 
@@ -64,14 +63,8 @@ class Endpoint:
 
     def close(self):
         if self.listener is not None:
-            self.listener.close()
+            vu.close_listener(self.listener, self.path, self._ino)
             self.listener = None
-            try:  # our socket file only, not one somebody created since
-                st = os.lstat(self.path)
-                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._ino:
-                    os.unlink(self.path)
-            except OSError:
-                pass
 
     def __str__(self):
         return f"{self.role} {'listen' if self.listen else 'connect'} {self.path}"

@@ -18,7 +18,6 @@ import logging
 import os
 import select
 import socket  # noqa: F401 (type hints)
-import stat
 import sys
 import time
 
@@ -77,14 +76,8 @@ class Server:
     def close(self):
         self._drop("server stopping")
         if self.listener is not None:
-            self.listener.close()
+            vu.close_listener(self.listener, self.path, self._sock_ino)
             self.listener = None
-            try:   # remove our socket file, not one somebody else created since
-                st = os.lstat(self.path)
-                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._sock_ino:
-                    os.unlink(self.path)
-            except OSError:
-                pass
 
     def __enter__(self):
         return self.open()

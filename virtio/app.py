@@ -23,7 +23,6 @@ at its own ring positions and goes on. Each step is an event (a JSON line on std
 """
 import json
 import os
-import sys
 import select
 import signal
 import socket

@@ -22,7 +22,6 @@ could get past.
 from __future__ import annotations
 
 import os
-import stat
 import time
 
 from rings import vhost_user as vu
@@ -152,14 +151,8 @@ class Session:
     def close(self):
         self.fe.close()
         if self.listener is not None:
-            self.listener.close()
+            vu.close_listener(self.listener, self.path, self._sock_ino)
             self.listener = None
-            try:   # our socket file only, not one somebody else created since
-                st = os.lstat(self.path)
-                if stat.S_ISSOCK(st.st_mode) and st.st_ino == self._sock_ino:
-                    os.unlink(self.path)
-            except OSError:
-                pass
 
 
 def own_bases(nq):
