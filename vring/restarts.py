@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -134,6 +135,15 @@ def _kill9(be):
     return lines[-1] if lines else None
 
 
+def _cleanup(drv, be, tmp):
+    """End what is still running (the driver killed, the backend stopped) and remove the run's directory."""
+    if drv is not None and drv.proc.poll() is None:
+        drv.kill()
+    if be.proc.poll() is None:
+        _end(be)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _end(be):
     """Stop a VhostProcess cleanly (SIGINT); its final counters."""
     final = be.stop()
@@ -206,13 +216,7 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
         if rows:
             rows[-1]["resubmitted"] = _resubmitted(final)
     finally:
-        if drv is not None and drv.proc.poll() is None:
-            drv.kill()
-        if be.proc.poll() is None:
-            _end(be)
-        for name in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, name))
-        os.rmdir(tmp)
+        _cleanup(drv, be, tmp)
     recs = res.get("reconnects", [])
     for row, rec in zip(rows, recs):
         row.update(down_s=rec.get("down_s"), lost=rec.get("lost", 0), duplicated=rec.get("duplicates", 0))
@@ -300,10 +304,7 @@ def dts_virtio_user_server(packed, in_order, mrg_rxbuf, kills=2, settle=0.5):
         tp.close()
         if be is not None:
             be.__exit__()
-        if os.path.isdir(tmp):
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"case": "virtio_user server=1 + vring vhost --client", "packed": packed, "in_order": in_order,
             "mrg_rxbuf": mrg_rxbuf, "rows": rows, "testpmd_errors": errors,
             "resumed": all(r["rx_packets"] > 0 for r in rows)}
@@ -343,10 +344,7 @@ def dts_net_vhost_client(packed, in_order, mrg_rxbuf, kills=2, settle=0.5):
             tp.close()
         if drv.proc.poll() is None:
             drv.kill()
-        if os.path.isdir(tmp):
-            for name in os.listdir(tmp):
-                os.unlink(os.path.join(tmp, name))
-            os.rmdir(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"case": "vring driver --server + net_vhost client=1", "packed": packed, "in_order": in_order,
             "mrg_rxbuf": mrg_rxbuf, "rows": rows, "connections": res["connections"],
             "driver_errors": res["rx"]["errors"] + res["tx"]["errors"],
@@ -448,13 +446,7 @@ def soak(seconds, packed=True, in_order=True, count=256, period=(0.5, 1.0), seed
         time.sleep(0.3)
         final = _end(be)
     finally:
-        if drv is not None and drv.proc.poll() is None:
-            drv.kill()
-        if be.proc.poll() is None:
-            _end(be)
-        for name in os.listdir(tmp):
-            os.unlink(os.path.join(tmp, name))
-        os.rmdir(tmp)
+        _cleanup(drv, be, tmp)
     rxq, txq, im = final["rxq0"], final["txq1"], final["intermediate"]
     delivered = rxq["rx_packets"] + rxq["rx_dropped"] + rxq["rx_too_big"] + im["fwd_dropped"]
     out["driver_killed"] = {
