@@ -1,6 +1,7 @@
 """Shared fixtures: guest memory, queue layouts, and the two implementations of the queue contract."""
 import contextlib
 import importlib
+import os
 
 import pytest
 
@@ -9,6 +10,22 @@ from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERS
 from rings.shm import MemoryTable, ShmRegion
 
 IMPLEMENTATIONS = {"reference": "rings.reference", "c": "rings.virtq"}
+
+
+@pytest.fixture
+def sock_path(tmp_path):
+    return str(tmp_path / "vhost.sock")
+
+
+@pytest.fixture
+def server(sock_path):
+    """A `vring vhost` server (macswap) in a thread of the test; it must remove its socket when closed."""
+    from vhost.datapath import Options
+    from vhost.testing import ThreadedServer
+    srv = ThreadedServer(sock_path, Options(fwd="macswap"))
+    yield srv
+    srv.close()
+    assert not os.path.exists(sock_path), "the server must remove its socket"
 
 
 @pytest.fixture(params=list(IMPLEMENTATIONS))

@@ -30,6 +30,18 @@ def stop(proc, timeout=20.0):
     return proc.returncode, out, err
 
 
+def collect(proc, timeout=60.0):
+    """Wait for a process that ends by itself; SIGKILL it if it has not within ``timeout`` s or the wait is
+    interrupted. (returncode, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err
+
+
 class Procs:
     """``procs.start("vhost", "--socket", ...)``; ``close()`` stops whatever is still running."""
 

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.conform_peers import FaultyDevice, FaultyDriver
+from tests.procs import collect
 from vhost.datapath import Options
 from vhost.testing import ThreadedServer
 
@@ -64,13 +65,8 @@ def wait_socket(path, proc, timeout=10):
 
 
 def finish(proc, timeout=60):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    return proc.returncode, (json.loads(out) if out.strip() else None), err
+    rc, out, err = collect(proc, timeout)
+    return rc, (json.loads(out) if out.strip() else None), err
 
 
 # --------------------------------------------------------------------------------------------- ours, both ways

@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from tests.procs import collect
 from vhost.testing import VhostProcess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,14 +43,9 @@ def _driver(sock, *args, pin=None):
 
 
 def _finish(proc, timeout=60):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    rc, out, err = collect(proc, timeout)
     events = [json.loads(x) for x in err.splitlines() if x.startswith('{"event"')]
-    assert proc.returncode == 0, err[-3000:]
+    assert rc == 0, err[-3000:]
     return json.loads(out), events, err
 
 

@@ -19,19 +19,6 @@ from vhost.testing import RING_AREA, GPA_BASE, ScriptedFrontend, ThreadedServer,
 R = vu.VhostUserRequest
 
 
-@pytest.fixture
-def sock_path(tmp_path):
-    return str(tmp_path / "vhost.sock")
-
-
-@pytest.fixture
-def server(sock_path):
-    srv = ThreadedServer(sock_path, Options(fwd="macswap"))
-    yield srv
-    srv.close()
-    assert not os.path.exists(sock_path), "the server must remove its socket"
-
-
 def queues(server):
     """(rx served, tx served) of the running data path, or None when it is not running."""
     dev = server.server.device

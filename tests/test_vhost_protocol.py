@@ -21,19 +21,6 @@ from vhost.testing import (GPA_BASE, HDR, MMAP_OFFSET, REGION_SIZE, UADDR_BASE, 
 R = vu.VhostUserRequest
 
 
-@pytest.fixture
-def sock_path(tmp_path):
-    return str(tmp_path / "vhost.sock")
-
-
-@pytest.fixture
-def server(sock_path):
-    srv = ThreadedServer(sock_path, Options(fwd="macswap"))
-    yield srv
-    srv.close()
-    assert not os.path.exists(sock_path), "the server must remove its socket"
-
-
 def wait_running(server, running=True):
     assert server.wait(lambda s: bool(s.device and s.device.datapath) == running), \
         f"data path did not {'start' if running else 'stop'}"

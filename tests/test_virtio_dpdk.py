@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests.procs import collect
 from vring import dpdk
 
 REASON = dpdk.skip_reason()
@@ -37,12 +38,7 @@ def run_driver(tp, *args, timeout=60):
     argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", tp.socket_path, "--json",
             "--pin", str(pin), *args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    _, out, err = collect(proc, timeout)
     leftovers = glob.glob(f"/dev/shm/vring-drv-{proc.pid}-*")
     for path in leftovers:
         os.unlink(path)

@@ -3,7 +3,7 @@ detection (PACKED-D-24), asserted on ring memory and on what the device reports,
 reference model. The peer is hand-written where the rule is about what a device must tolerate."""
 import pytest
 
-from rings.errors import UsageError
+from rings.errors import AvailIdxJump, IndirectWithNext, UsageError
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT,
                           VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, packed_desc_dtype,
                           split_desc_dtype)
@@ -373,3 +373,95 @@ def test_inorder_02_used_in_the_order_made_available(impl, fmt, batch):
     else:
         named = [int(r.desc[s]["id"]) for s in range(5) if r.packed_used(s, 1)]
         assert named == ([ids[3]] if batch else ids)
+
+
+# ---- the used WRITE flag (packed) ---------------------------------------------------------------
+
+def test_packed_v_12_used_write_flag_says_whether_data_was_written(impl):
+    """PACKED-V-12 (PACKED-D-17): a used descriptor has WRITE set when the device wrote data (len > 0: len
+    is then meaningful) and clear when it wrote nothing (Tx); per buffer and in IN_ORDER batches."""
+    for bits, batch in (((), False), ((VIRTIO_F_IN_ORDER,), True)):
+        r = Ring(impl, "packed", 8, *bits, batch=batch)
+        shapes = [(1, 0), (0, 1), (0, 2)] + ([] if batch else [(1, 0)])   # a batch ends with an Rx buffer
+        r.add(shapes)
+        r.drv.publish()
+        ch = r.dev.poll()
+        r.dev.push_used(ch.id, [int(w) for w in ch.wlen])   # Rx buffers written in full, Tx ones 0
+        r.dev.flush()
+        kinds = set()
+        for slot in range(8):
+            if r.packed_used(slot, 1):
+                f, written = int(r.desc[slot]["flags"]), int(r.desc[slot]["len"])
+                assert bool(f & VIRTQ_DESC_F_WRITE) == (written > 0), (slot, hex(f), written)
+                kinds.add(written > 0)
+        assert kinds == ({True} if batch else {True, False})
+        tokens, got = r.drv.reclaim()
+        assert len(tokens) == len(shapes)
+
+
+# ---- IN_ORDER accounting ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_inorder_10_skipped_buffers_reported_fully_written(impl, fmt):
+    """INORDER-10: one used entry for an IN_ORDER batch stands for the buffers before it too; the driver
+    reports each skipped buffer with its whole writable size, and the named one with the entry's len."""
+    r = Ring(impl, fmt, 8, VIRTIO_F_IN_ORDER, batch=True)
+    n, tokens = r.add([(0, 1), (0, 2), (0, 1), (0, 1)], lens=[64, 32, 32, 100, 50])
+    r.drv.publish()
+    ch = r.dev.poll()
+    wl = [int(w) for w in ch.wlen]
+    assert wl == [64, 64, 100, 50]
+    r.dev.push_used(ch.id, wl[:3] + [7])   # all full but the last: one batch entry
+    r.dev.flush()
+    if fmt == "split":
+        assert int(r.used["idx"]) == 4 and int(r.used["ring"][0]["id"]) == int(ch.id[3])
+    got_tokens, got_lens = r.drv.reclaim()
+    assert got_tokens.tolist() == tokens and got_lens.tolist() == [64, 64, 100, 7]
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_inorder_15_no_batching_without_in_order(impl, fmt):
+    """INORDER-15: without IN_ORDER there is one used entry per buffer even when the device was asked to batch
+    (batching is only defined for IN_ORDER): used.idx moves by one per buffer, every id appears once."""
+    r = Ring(impl, fmt, 8, batch=True)
+    r.add([(0, 1)] * 4)
+    r.drv.publish()
+    ch = r.dev.poll()
+    r.dev.push_used(ch.id, ch.wlen)
+    r.dev.flush()
+    if fmt == "split":
+        assert int(r.used["idx"]) == 4
+        assert sorted(int(e["id"]) for e in r.used["ring"][:4]) == sorted(ch.id.tolist())
+    else:
+        assert sum(r.packed_used(s, 1) for s in range(4)) == 4
+    assert len(r.drv.reclaim()[0]) == 4
+
+
+# ---- device robustness (SPLIT-V-14): hostile indices and flags ----------------------------------
+
+def test_split_v_13_split_v_14_avail_idx_more_than_a_ring_ahead_refused(impl):
+    """SPLIT-V-13 / SPLIT-V-14: an avail.idx more than QS ahead of the device's position breaks the queue
+    with AvailIdxJump; nothing is consumed, nothing written."""
+    r = Ring(impl, "split", 8, driver=False)
+    for k in range(8):
+        r.desc[k] = (DATA + 256 * k, 64, 0, 0)
+        r.avail["ring"][k] = k
+    r.avail["idx"] = 9
+    before = bytes(r.buf)
+    with pytest.raises(AvailIdxJump):
+        r.dev.poll()
+    assert bytes(r.buf) == before
+
+
+def test_split_v_14_split_d_08_indirect_with_next_refused(impl):
+    """SPLIT-V-14 (SPLIT-D-08 broken by the driver): a descriptor with INDIRECT and NEXT is refused with
+    IndirectWithNext, not followed."""
+    r = Ring(impl, "split", 8, VIRTIO_F_INDIRECT_DESC, driver=False)
+    t = r.table(SCRATCH, 16, __import__("rings.layout", fromlist=["split_desc_dtype"]).split_desc_dtype)
+    t[0] = (DATA, 64, 0, 0)
+    r.desc[0] = (SCRATCH, 16, VIRTQ_DESC_F_INDIRECT | VIRTQ_DESC_F_NEXT, 1)
+    r.desc[1] = (DATA + 256, 64, 0, 0)
+    r.avail["ring"][0] = 0
+    r.avail["idx"] = 1
+    with pytest.raises(IndirectWithNext):
+        r.dev.poll()

@@ -6,7 +6,8 @@ import pytest
 
 from rings.errors import ConfigError
 from rings.layout import (ALIGN, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTQ_DESC_F_AVAIL,
-                          VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, QueueLayout)
+                          VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE,
+                          QueueLayout)
 
 from ring import DATA, TABLES, Ring, segments
 
@@ -288,3 +289,34 @@ def test_inorder_05_indirect_entries_sequential(impl):
         assert [w[4][2] for w in entries] == list(range(len(entries)))
     assert tables == 3
 
+
+def complete_all(r, lens=None):
+    ch = r.dev.poll()
+    r.dev.push_used(ch.id, [0] * ch.n if lens is None else lens(ch))
+    r.dev.flush()
+    return r.drv.reclaim()
+
+
+# ---- packed driver: every descriptor of a list carries the wrap of its own slot ----------------
+
+def test_packed_d_02_packed_d_03_every_descriptor_marked_with_its_slots_wrap(impl):
+    """PACKED-D-02/03 (PACKED-D-14): each descriptor of a list is made available with AVAIL = the driver wrap
+    counter at its own slot and USED = its inverse, also when the list straddles the end of the ring (the
+    tail after the end belongs to the next lap)."""
+    size = 5
+    r = Ring(impl, "packed", size)
+    pos = 0   # free-running descriptor position
+    straddled = 0
+    for shape in [(3, 0), (2, 1), (1, 2), (3, 0), (0, 3), (2, 2), (1, 0)] * 3:
+        assert r.add([shape])[0] == 1
+        r.drv.publish()
+        for k in range(sum(shape)):
+            p = pos + k
+            slot, wrap = p % size, 1 ^ (p // size & 1)
+            f = int(r.desc[slot]["flags"])
+            assert bool(f & VIRTQ_DESC_F_AVAIL) == bool(wrap) and bool(f & VIRTQ_DESC_F_USED) != bool(wrap), \
+                f"descriptor {k} of the list at {pos % size} (slot {slot}, wrap {wrap}): flags {f:#x}"
+        straddled += (pos % size) + sum(shape) > size
+        pos += sum(shape)
+        complete_all(r)
+    assert straddled

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from rings.layout import (RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE, VIRTIO_F_EVENT_IDX,
-                          VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, bit, need_event)
+from rings.layout import (RING_EVENT_FLAGS_DESC, RING_EVENT_FLAGS_DISABLE, RING_EVENT_FLAGS_ENABLE,
+                          VIRTIO_F_EVENT_IDX, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, bit, need_event)
 
 from ring import Ring
 
@@ -303,3 +303,39 @@ def test_evt_21_evt_24_packed_enable_disable(impl):
         assert r.dev.call_prepare() is on
         r.drv.reclaim()
     assert r.features & bit(VIRTIO_F_RING_PACKED)
+
+
+def complete_all(r, lens=None):
+    ch = r.dev.poll()
+    r.dev.push_used(ch.id, [0] * ch.n if lens is None else lens(ch))
+    r.dev.flush()
+    return r.drv.reclaim()
+
+
+# ---- packed DESC-mode event suppression (checklist vectors) -----------------------------------
+
+PACKED_HITS = {(3, 1), (4, 1), (0, 0)}   # checklist §0: qsize 5, descriptors at 3, 4 (wrap 1) and 0 (wrap 0)
+
+
+@pytest.mark.parametrize("side", ["kick", "call"])
+def test_evt_23_evt_14_evt_07_packed_desc_event_over_a_three_descriptor_list(impl, side):
+    """EVT-23 (EVT-14/EVT-07 for packed): with EVENT_IDX and flags DESC, one 3-descriptor list made available
+    (or used) at slots 3, 4, 0 of a 5-slot ring notifies iff off/wrap is 3/1, 4/1 or 0/0: the event counts
+    descriptors, not buffers, and an off tagged with the other wrap lies in the previous lap."""
+    for off in range(5):
+        for wrap in (0, 1):
+            r = Ring(impl, "packed", 5, VIRTIO_F_EVENT_IDX)
+            assert r.add([(3, 0)])[0] == 1   # slots 0-2: both sides move to slot 3, wrap 1
+            r.drv.publish()
+            r.drv.kick_prepare()
+            complete_all(r)
+            r.dev.call_prepare()
+            assert r.add([(3, 0)])[0] == 1   # slots 3, 4, 0
+            r.drv.publish()
+            if side == "kick":
+                r.device_event[:] = (off | wrap << 15, RING_EVENT_FLAGS_DESC)
+                assert r.drv.kick_prepare() is ((off, wrap) in PACKED_HITS), (off, wrap)
+            else:
+                complete_all(r)
+                r.driver_event[:] = (off | wrap << 15, RING_EVENT_FLAGS_DESC)
+                assert r.dev.call_prepare() is ((off, wrap) in PACKED_HITS), (off, wrap)

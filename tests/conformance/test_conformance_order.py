@@ -305,3 +305,81 @@ def test_packed_v_05_mem_07_packed_v_16_used_body_before_flags_first_last(rec, b
         first_used = min(slots, key=lambda s: slots[s][0][0])   # the slot written first
         assert slots[first_used][-1][0] == last, "the first used descriptor's flags must be stored last"
         r.drv.reclaim()
+
+
+# ---- consumption points are acquire loads, before what they cover --------------------------------
+
+ACQUIRE = {"c": "A", "reference": "L"}   # the reference model logs every 16-bit load as 'L' (no acquire kind)
+
+
+def test_split_v_13_mem_08_mem_11_device_acquires_avail_idx_before_the_slots(rec):
+    """SPLIT-V-13 / MEM-11 (MEM-08): the device reads avail.idx with an acquire load, before any avail.ring
+    slot or descriptor it covers (a relaxed load lets those reads be satisfied before idx on a weak CPU)."""
+    r = Ring(rec.mod, "split", 8)
+    idx_gpa = r.layout.driver + 2
+    desc_gpa, desc_len = r.area("desc")
+    for shapes in ([(1, 0)] * 3, [(2, 1), (0, 1)]):
+        r.add(shapes)
+        r.drv.publish()
+        with rec.capture(r.mem) as log:
+            ch = r.dev.poll()
+        assert ch.n == len(shapes)
+        idx = [i for i, a in enumerate(log) if a.load and a.gpa == idx_gpa]
+        covered = [i for i, a in enumerate(log) if a.load and (a.within(r.layout.driver + 4, 2 * 8)
+                                                                or a.within(desc_gpa, desc_len))]
+        assert idx and log[idx[0]].kind == ACQUIRE[rec.name], "avail.idx must be read with an acquire load"
+        assert covered and idx[0] < min(covered)
+        r.dev.push_used(ch.id, [0] * ch.n)
+        r.dev.flush()
+        r.drv.reclaim()
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_packed_d_24_mem_08_driver_acquires_the_used_mark_before_id_and_len(rec, fmt):
+    """PACKED-D-24 / MEM-08: the driver reads used.idx (split) or a used descriptor's flags (packed) with an
+    acquire load before it reads the id and len that mark covers, on its fast path and its general walk."""
+    r = Ring(rec.mod, fmt, 8)
+    desc_gpa, _ = r.area("desc")
+    for shapes in ([(0, 1)] * 3, [(1, 2), (0, 1)]):
+        r.add(shapes)
+        r.drv.publish()
+        ch = r.dev.poll()
+        r.dev.push_used(ch.id, [1] * ch.n)
+        r.dev.flush()
+        with rec.capture(r.mem) as log:
+            got, _ = r.drv.reclaim()
+        assert len(got) == len(shapes)
+        if fmt == "split":
+            marks = [i for i, a in enumerate(log) if a.load and a.gpa == r.layout.device + 2]
+            bodies = [i for i, a in enumerate(log) if a.load and a.within(r.layout.device + 4, 8 * 8)]
+            assert marks and all(log[i].kind == ACQUIRE[rec.name] for i in marks)
+            if rec.name == "c":   # the reference model logs 16-bit loads only (not the le32 id/len)
+                assert bodies and marks[0] < min(bodies)
+        else:
+            for i, a in enumerate(log):
+                if a.load and a.within(desc_gpa, 16 * 8) and (a.gpa - desc_gpa) % 16 in (8, 12):
+                    slot = (a.gpa - desc_gpa) // 16
+                    flags = [j for j in range(i) if log[j].load and log[j].gpa == desc_gpa + 16 * slot + 14]
+                    assert flags and log[flags[-1]].kind == ACQUIRE[rec.name], f"slot {slot}: id/len read without acquiring flags"
+
+
+# ---- re-enabling notifications: store, then a full fence (the caller re-checks after it) ----------
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+@pytest.mark.parametrize("event_idx", [False, True], ids=["flags", "event_idx"])
+def test_mem_10_mem_09_evt_09_enable_stores_then_fence(rec, fmt, event_idx):
+    """MEM-10 (device, kicks) / MEM-09, EVT-09 (driver, calls): re-enabling notifications stores the
+    suppression field(s) and then a full fence, so that the re-check of the ring that follows cannot be
+    satisfied before the peer can see the enable (else: the peer skips the notification, we sleep)."""
+    bits = (VIRTIO_F_EVENT_IDX,) if event_idx else ()
+    r = Ring(rec.mod, fmt, 8, *bits)
+    for side in ("drv", "dev"):
+        q = getattr(r, side)
+        enable = q.enable_calls if side == "drv" else q.enable_kicks
+        enable(False)
+        with rec.capture(r.mem) as log:
+            enable(True)
+        stores = [i for i, a in enumerate(log) if a.store]
+        fences = [i for i, a in enumerate(log) if a.fence]
+        assert stores, side
+        assert fences and max(fences) > max(stores), f"{side}: no fence after the enabling store"
