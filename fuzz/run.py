@@ -120,9 +120,13 @@ def child(args):
         target = importlib.import_module(f"targets.{args.target}")
     cache = os.environ.get("VRING_FUZZ_CACHE") or HERE
     if args.repro:
+        import time
         with open(args.repro, "rb") as f:
-            target.TestOneInput(f.read())
-        print(f"fuzz: {args.target}: {args.repro} ran without a finding")
+            data = f.read()
+        t0 = time.perf_counter()
+        target.TestOneInput(data)
+        ms = (time.perf_counter() - t0) * 1e3   # a timeout found on a loaded machine may be the load's
+        print(f"fuzz: {args.target}: {args.repro} ran without a finding in {ms:.1f} ms")
         return 0
     work = args.corpus or os.path.join(cache, "corpus", args.target)
     seeds = os.path.join(HERE, "corpus", args.target)

@@ -138,7 +138,8 @@ def device_snapshot(q):
         not_polled = min((avail_idx - st["last_avail"]) & 0xFFFF, n)
         heads += [(ring.u16(ring.avail, 4 + 2 * ((st["last_avail"] + k) % n)), "available, not polled")
                   for k in range(not_polled)]
-        chains = [(head, head, ring.chain_split(head), state, DEVICE) for head, state in heads]
+        claimed = set()
+        chains = [(head, head, ring.chain_split(head, claimed), state, DEVICE) for head, state in heads]
     snap["counts"] = {"inflight": st["inflight"], "shadow": st["shadow_count"]}
     snap["notify"] = ring.notify("call_added", st["call_added"])
     return _finish(snap, q, ring, chains)
@@ -167,9 +168,10 @@ def memory_snapshot(mem, layout, features):
             found = [(used_idx + k) & 0xFFFF for k in range(min(pending, n))]
         else:
             found = _split_inflight_guess(ring, avail_idx, used_idx, pending)
+        claimed = set()
         for pos in found:
             head = ring.u16(ring.avail, 4 + 2 * (pos % n))
-            slots = ring.chain_split(head)
+            slots = ring.chain_split(head, claimed)
             if exact:
                 chains.append((head, head, slots, f"in flight: made available at avail position {pos}", DEVICE))
             else:
@@ -520,10 +522,17 @@ class _Ring:
         if run:
             yield run
 
-    def chain_split(self, head):
-        """Ring descriptors of the chain at head, following NEXT while it stays in range (no checks)."""
+    def chain_split(self, head, claimed=None):
+        """Ring descriptors of the chain at head, following NEXT while it stays in range (no checks). With a set
+        ``claimed`` (the slots of the chains listed before), the chain ends before a slot another chain holds:
+        chains of a valid ring never share a descriptor, and listing a shared tail once per head made the
+        decode of a ring whose every head leads into one long chain quadratic in the ring size."""
         i, seen = head, []
         while i < self.size and len(seen) < self.size:
+            if claimed is not None:
+                if i in claimed:
+                    break
+                claimed.add(i)
             seen.append(i)
             _, _, flags, nxt = _DESC.unpack_from(self.desc, 16 * i)
             if not flags & VIRTQ_DESC_F_NEXT:

@@ -126,7 +126,8 @@ def test_kill9_of_the_driver_backend_serves_the_next(tmp_path):
     with VhostProcess(sock, "--fwd", "macswap", pin=be_cpu, verbose=True) as be:
         be.wait_socket()
         first = _driver(sock, "--mode", "macfwd", "--count", "256", pin=drv_cpu)
-        time.sleep(1.0)
+        be.wait_stderr("frontend connected (connection 1)")
+        time.sleep(0.5)   # into its traffic
         assert first.poll() is None, first.stderr.read()
         first.kill()
         first.communicate()

@@ -295,6 +295,14 @@ class VhostProcess:
             time.sleep(0.02)
         raise RuntimeError(f"vring vhost: no socket {self.sock} after {timeout}s")
 
+    def wait_stderr(self, text, timeout=30.0):
+        """Wait until the backend's log (``verbose``) says ``text``, e.g. "frontend connected (connection 1)"."""
+        deadline = time.monotonic() + timeout
+        while text not in self.stderr():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vring vhost never logged {text!r}: {self.stderr()[-2000:]}")
+            time.sleep(0.05)
+
     def _read(self, f):
         f.seek(0)
         return f.read().decode("utf-8", "replace")

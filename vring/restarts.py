@@ -89,9 +89,11 @@ class Driver:
     def pid(self):
         return self.proc.pid
 
-    def stop(self, timeout=60):
-        """SIGINT (the driver drains and prints its counters); returns the JSON result."""
-        if self.proc.poll() is None:
+    def stop(self, timeout=60, signal_it=True):
+        """SIGINT (the driver drains and prints its counters); returns the JSON result. ``signal_it=False``: a
+        driver started with --seconds, which ends by itself (a SIGINT that lands while it is still starting
+        would end it before it has a loop to drain)."""
+        if signal_it and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
         try:
             out = self.proc.stdout.read()
@@ -123,6 +125,18 @@ def _backend(sock, be_cpu, extra=()):
 
 def _stats_lines(be):
     return [json.loads(x) for x in be.stdout().splitlines() if x.startswith("{")]
+
+
+def _wait_connections(be, n, timeout=20.0):
+    """Until the backend's stats lines count ``n`` connections (a driver killed before it connected would
+    test nothing); False if they do not within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = _stats_lines(be)
+        if lines and lines[-1].get("connections", 0) >= n:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _kill9(be):
@@ -430,13 +444,17 @@ def soak(seconds, packed=True, in_order=True, count=256, period=(0.5, 1.0), seed
     try:
         be.wait_socket()
         while True:
-            drv = Driver(sock, "--mode", "macfwd", "--count", count, *path_args(packed, in_order), pin=drv_cpu)
+            last = time.monotonic() >= end   # the last one runs 2 s and ends cleanly: the counters settle
+            drv = Driver(sock, "--mode", "macfwd", "--count", count, *path_args(packed, in_order),
+                         *(("--seconds", 2) if last else ()), pin=drv_cpu)
+            if last:
+                last_drv = drv.stop(signal_it=False)
+                break
+            if not _wait_connections(be, kills_b + 1):
+                raise RuntimeError(f"driver {kills_b + 1} never connected: {''.join(drv.other)[-2000:]}")
             time.sleep(rng.uniform(*period))
             if drv.proc.poll() is not None:
                 raise RuntimeError(f"driver exited: {''.join(drv.other)[-2000:]}")
-            if time.monotonic() >= end:
-                last_drv = drv.stop()   # the last one ends cleanly: the backend's counters settle
-                break
             drv.kill()
             kills_b += 1
             time.sleep(0.2)   # the backend notices, folds the connection's counters in, waits for the next
