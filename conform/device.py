@@ -425,8 +425,14 @@ class Queue:
             slot = pos % n
             uid, ulen = (int(x) for x in self.view.used_raw[slot])
             left = (used_idx - pos) & 0xFFFF
-            r.check("SPLIT-L-05", uid < 0x10000, lambda: f"{self.name}: used.ring[{slot}].id = {uid:#x}: "
-                    f"high bytes not 0")
+            canary = (uid, ulen) == USED_CANARY   # the device wrote no entry here
+            stray = self._misplaced_entry_split(pos, left) if canary and self.h.in_order else None
+            if stray is not None:   # reported (INORDER-08); go on with the entry where the device put it, copied
+                uid, ulen = stray[1:]   # where our driver reads it (it refuses the canary)
+                self.view.used_raw[slot] = (uid, ulen)
+            elif not canary:
+                r.check("SPLIT-L-05", uid < 0x10000, lambda: f"{self.name}: used.ring[{slot}].id = {uid:#x}: "
+                        f"high bytes not 0")
             b = self.inflight.get(uid)
             if b is None:
                 planted = self.garbage_heads.get(uid)
@@ -434,7 +440,9 @@ class Queue:
                     r.fail("SPLIT-V-13", f"{self.name}: used head {uid}, which the harness had written only in "
                                          f"avail slot {planted} beyond avail idx")
                 r.fail("SPLIT-V-15", f"{self.name}: used.ring[{slot}] (used idx {pos}) = id {uid} len {ulen}: "
-                                     f"not a head in flight (in flight: {self._fifo_brief()})")
+                                     + ("still the canary the harness wrote there: no entry was written before "
+                                        f"used idx moved to {used_idx}" if canary else
+                                        f"not a head in flight (in flight: {self._fifo_brief()})"))
                 raise Broken(f"{self.name}: used id not in flight")
             r.ok("SPLIT-V-15")
             r.ok("SPLIT-V-12")
@@ -448,11 +456,13 @@ class Queue:
                                f"buffer {uid}, the {nb}th in avail order (a batch of {nb}), but used idx only "
                                f"reaches {used_idx} ({left} entries)"):
                     raise Broken(f"{self.name}: batch beyond used idx")
-                self._check_skipped_used_slots(pos, batch)
+                self._check_skipped_used_slots(pos, batch, stray[0] if stray else None)
                 for sb in batch[:-1]:
                     out.append((sb, sb.wlen, True))
                 out.append((b, ulen, False))
                 self.consumed += [(pos + k) % n for k in range(nb)]
+                if stray is not None and stray[0] not in self.consumed and (stray[0] - pos) % n < left:
+                    self.consumed.append(stray[0])   # inside used idx: ours to write the canary into again
                 self.used_ctr = (pos + nb) & 0xFFFF
             else:
                 self.fifo.remove(uid)
@@ -479,11 +489,36 @@ class Queue:
                 return batch
         raise Broken("harness: in-order batch walk ran past the fifo")
 
-    def _check_skipped_used_slots(self, pos, batch):
-        """INORDER-08: the used slots inside a batch keep the canary the harness wrote after the last lap."""
+    def _misplaced_entry_split(self, pos, left):
+        """IN_ORDER: used.ring at used idx ``pos`` still holds the canary, though used idx moved ``left`` past it.
+        Looks for the entry in the next slots (as far as buffers are in flight, within used idx or beyond it);
+        reports INORDER-08 and returns (slot, id, len) of the entry found, or None."""
+        n, fifo = self.size, list(self.fifo)
+        slot = pos % n
+        for j in range(1, min(len(fifo), n)):
+            s = (pos + j) % n
+            got = tuple(int(x) for x in self.view.used_raw[s])
+            if got == USED_CANARY or got[0] not in self.inflight:
+                continue
+            uid, ulen = got
+            if uid == fifo[j]:
+                what = (f"the entry for the batch of {j + 1} buffers ({fifo[0]}..{uid}) was written at "
+                        f"used.ring[{s}] (used idx {(pos + j) & 0xFFFF}), the batch's last slot, not its first")
+            else:
+                what = f"the entry id {uid} len {ulen} was written at used.ring[{s}] (used idx {(pos + j) & 0xFFFF})"
+            self.r.fail("INORDER-08", f"{self.name}: used.ring[{slot}] (used idx {pos}) still holds the canary the "
+                                      f"harness wrote there after used idx moved {left} past it; {what}")
+            return s, uid, ulen
+        return None
+
+    def _check_skipped_used_slots(self, pos, batch, reported=None):
+        """INORDER-08: the used slots inside a batch keep the canary the harness wrote after the last lap
+        (``reported``: a slot already blamed for holding the batch's misplaced entry)."""
         n = self.size
         for k in range(1, len(batch)):
             slot = (pos + k) % n
+            if slot == reported:
+                continue
             got = tuple(int(x) for x in self.view.used_raw[slot])
             if got != USED_CANARY:
                 self.r.fail("INORDER-08", f"{self.name}: used.ring[{slot}] inside the batch at used idx {pos} "
@@ -621,6 +656,7 @@ class DeviceHarness:
         self.q = [None, None]
         self.seq = 0
         self.sent: dict[int, tuple] = {}          # seq -> (frame, tags, tx layout)
+        self.sent_len: dict[int, int] = {}        # seq -> frame length (kept after the frame came back)
         self.received: set[int] = set()
         self.foreign = 0
         self.loops = None                          # does the backend bring frames back? (None: not known yet)
@@ -772,6 +808,7 @@ class DeviceHarness:
         tags = set(tags) | {"NET-21"} | ({"SPLIT-V-01"} if nseg > 1 else set())
         pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
         self.sent[self.seq] = (frame, tags, f"{len(pieces)} segments")
+        self.sent_len[self.seq] = len(frame)
         return pieces, False, self.seq, tags
 
     def _send(self, specs, mutate=None, kick=True):
@@ -779,6 +816,7 @@ class DeviceHarness:
         bufs = tx.add(specs, mutate)
         for spec in specs[len(bufs):]:   # did not fit: forget them
             self.sent.pop(spec[2], None)
+            self.sent_len.pop(spec[2], None)
         if bufs:
             if self.in_order and len({b.chain.ndesc for b in bufs}) > 1:
                 for b in bufs:
@@ -823,9 +861,11 @@ class DeviceHarness:
 
     def _tx_done(self, b, length, skipped):
         r, tx = self.report, self.q[TX]
-        if not tx.packed and not skipped:
-            r.check("SPLIT-V-11", length == 0, lambda: f"tx: used len {length} for Tx buffer {b.id} "
-                    f"(nothing is written into a Tx buffer: 0)")
+        if not tx.packed and not skipped:   # packed: the len of a used descriptor without WRITE is reserved
+            if not r.check("SPLIT-V-11", length == 0, lambda: f"tx: used len {length} for Tx buffer {b.id} "
+                           f"(nothing is written into a Tx buffer: 0)"):
+                r.fail("NET-21", f"tx: used len {length} for Tx buffer {b.id} of {b.chain.rlen} readable bytes: "
+                                 f"a transmitted packet's used len is 0")
         now = tx.slots[b.token].tobytes()
         if now != b.image:
             i = next(k for k in range(SLOT) if now[k] != b.image[k])
@@ -896,7 +936,11 @@ class DeviceHarness:
             r.check("NET-34", gso == 0, lambda: f"rx: gso_type {gso:#x} without GUEST_TSO4/6, UFO, USO")
             r.check("NET-35", not flags & frames.VIRTIO_NET_HDR_F_RSC_INFO, lambda: f"rx: RSC_INFO set ({flags:#x})")
             if self.mrg:
-                if not r.check("NET-29", nb >= 1, f"rx: num_buffers {nb} in buffer {b.id}"):
+                span = self._frame_span(items, i, first[self.hdr:])
+                if span:   # the buffers the frame sent fills, whatever num_buffers says
+                    r.check("NET-29", nb == span, lambda: self._num_buffers_evidence(items, i, nb, span, first))
+                    nb = span
+                elif not r.check("NET-29", nb >= 1, f"rx: num_buffers {nb} in buffer {b.id}"):
                     nb = 1
             else:
                 r.check("NET-28", nb == 1, lambda: f"rx: num_buffers {nb} (bytes {first[10:12].hex()}) without "
@@ -921,10 +965,33 @@ class DeviceHarness:
                 for x, xl, _ in bufs[:-1]:
                     r.check("NET-30", xl == x.wlen, lambda: f"rx: buffer {x.id} of a {nb}-buffer packet used "
                             f"{xl} of {x.wlen} bytes (all but the last must be full)")
-                r.ok("NET-29")
             data = first[self.hdr:min(ln, b.wlen)] + b"".join(self._rx_bytes(x, min(xl, x.wlen))
                                                              for x, xl, _ in bufs[1:])
             self._frame_back(data, bufs, (len_id,) if rx.packed else (len_id, "SPLIT-V-08"), data_id)
+
+    def _frame_span(self, items, i, data):
+        """MRG_RXBUF: how many of the used buffers from ``items[i]`` on the frame stamped in ``data`` (the first
+        buffer after the header) spans: header + frame length against the bytes the entries cover. None when
+        the frame is not one of ours, or the visible entries do not hold all of it (not all published, or the
+        device wrote less than the frame: judged by num_buffers and by the frame itself)."""
+        seq = frames.stamp_of(data, self.run_id)
+        need = self.hdr + self.sent_len[seq] if seq in self.sent_len else None
+        if need is None:
+            return None
+        have = 0
+        for m, (x, xl, _s) in enumerate(items[i:], 1):
+            have += min(xl, x.wlen)
+            if have >= need:
+                return m
+        return None
+
+    def _num_buffers_evidence(self, items, i, nb, span, first):
+        seq = frames.stamp_of(first[self.hdr:], self.run_id)
+        bufs = items[i:i + max(span, min(nb, len(items) - i))]
+        return (f"rx: num_buffers {nb} in buffer {bufs[0][0].id}, but frame {seq} ({self.hdr}-byte header + "
+                f"{self.sent_len[seq]} bytes) spans {span} buffer(s): used entries (id used/posted bytes) "
+                + ", ".join(f"{x.id} {xl}/{x.wlen}" for x, xl, _s in bufs)
+                + (f" (the entries after the first {span} belong to the next packet)" if nb > span else ""))
 
     def _frame_back(self, data, bufs, len_ids, data_id):
         r = self.report

@@ -7,18 +7,30 @@
 * ``FaultyDriver``: a forwarding frontend (vhost.testing.ScriptedFrontend) whose Tx queue breaks a driver
   rule: ``reoffer`` (a head that is in flight is put in the avail ring again, in the same publication) or
   ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it).
+* ``LoopDevice``: a small looping backend in Python (split rings, VERSION_1, IN_ORDER, MRG_RXBUF offered) for the
+  device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
+  ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
+  moved by the batch) or ``tx-len`` (a Tx buffer completed with its readable length as used len).
 """
 from __future__ import annotations
 
 import os
+import select
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
-from conform.driver import TX, DriverHarness, DriverOptions, Session
+from conform import frames
+from conform.driver import OFFERED_PROTOCOL, RX, TX, DriverHarness, DriverOptions, Session
 from conform.ringview import SplitView
+from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError
+from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
+                          VIRTIO_NET_F_MRG_RXBUF, bit, has)
+from rings.virtq import DeviceQueue
+from vhost.device import NetDevice, Refused
 from vhost.testing import HDR, ScriptedFrontend
 
 
@@ -162,6 +174,199 @@ class FaultyDriver:
         v = SplitView(fe.mem, fe.layouts[1])
         v.desc[v.avail_ring(v.avail_idx - 1)]["len"] -= 1
         self.faults += 1
+
+    def join(self, timeout=30):
+        self.stop.set()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+class _LoopQueues:
+    """The data path of a LoopDevice: Tx frames are completed and written into Rx buffers, in Python."""
+
+    def __init__(self, dev, fault):
+        self.dev, self.fault = dev, fault
+        self.hdr = frames.hdr_size(dev.features)
+        self.mrg = has(dev.features, VIRTIO_NET_F_MRG_RXBUF)
+        self.in_order = has(dev.features, VIRTIO_F_IN_ORDER)
+        self.q, self.views = [], []
+        for v in dev.vrings:
+            layout = dev._layout(v, v.addr)
+            q = DeviceQueue(dev.cmem, layout, dev.features)
+            q.set_base(v.base)
+            self.q.append(q)
+            self.views.append(SplitView(dev.mem, layout))
+        self.rx_free = deque()    # (id, writable segments, writable length) in poll order
+        self.frames = deque()     # frames waiting for Rx buffers
+        self.faults = 0
+
+    def step(self):
+        """One poll of both queues. Returns True when something moved."""
+        rx, tx = self.q
+        ch = tx.poll()
+        n = ch.n
+        if n:
+            ids = [int(x) for x in ch.id[:n]]
+            lens = [int(ch.rlen[k]) if self.fault == "tx-len" else 0 for k in range(n)]
+            for k in range(n):
+                data = b"".join(self.dev.mem.read(a, ln) for a, ln, w in ch.segments(k) if not w)
+                self.frames.append(data[self.hdr:])
+            self._complete_tx(ids, lens)
+        ch = rx.poll()
+        for k in range(ch.n):
+            segs = [(a, ln) for a, ln, w in ch.segments(k) if w]
+            self.rx_free.append((int(ch.id[k]), segs, int(ch.wlen[k])))
+        while self.frames and self._receive(self.frames[0]):
+            self.frames.popleft()
+        return bool(n or ch.n)
+
+    def _call(self, index):
+        q, fd = self.q[index], self.dev.vrings[index].callfd
+        if fd >= 0 and q.call_prepare():
+            os.eventfd_write(fd, 1)
+
+    def _complete_tx(self, ids, lens):
+        tx, k = self.q[TX], len(ids)
+        tx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
+        if self.fault == "batch-last" and self.in_order and k > 1:
+            # one entry for the batch, as a batching device writes it, but at the batch's last used slot
+            # (INORDER-08 puts it at the first); the queue's own state moves as its flush would move it
+            c, v, size = tx.c, self.views[TX], tx.size
+            pos = int(c.used_idx)
+            v.used_raw[(pos + k - 1) % size] = (ids[-1], lens[-1])
+            tx.id_inflight[ids] = 0
+            c.inflight = int(c.inflight) - k
+            c.shadow_count = 0
+            c.call_added = (int(c.call_added) + k) & 0xFFFF
+            c.used_idx = (pos + k) & 0xFFFF
+            v.used_hdr[1] = c.used_idx
+            self.faults += 1
+        else:
+            tx.flush()
+            if self.fault == "tx-len":
+                self.faults += 1
+        self._call(TX)
+
+    def _receive(self, frame):
+        """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
+        need = self.hdr + len(frame)
+        take, room = 0, 0
+        while room < need and take < len(self.rx_free) and (self.mrg or take == 0):
+            room += self.rx_free[take][2]
+            take += 1
+        if room < need:
+            if not self.mrg and self.rx_free:   # too big for one buffer: dropped, as a device may
+                return True
+            return False
+        bufs = [self.rx_free.popleft() for _ in range(take)]
+        nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
+        self.faults += nb != take
+        data = frames.net_hdr(num_buffers=nb)[:self.hdr] + frame
+        ids, lens, off = [], [], 0
+        for bid, segs, wlen in bufs:
+            used = min(wlen, need - off)
+            ids.append(bid)
+            lens.append(used)
+            left = used
+            for a, ln in segs:
+                part = min(ln, left)
+                if not part:
+                    break
+                self.dev.mem.write(a, data[off:off + part])
+                off += part
+                left -= part
+        rx = self.q[RX]
+        rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
+        rx.flush()
+        self._call(RX)
+        return True
+
+
+class _LoopNetDevice(NetDevice):
+    """vhost's control plane; the data path is a _LoopQueues."""
+
+    def __init__(self, fault):
+        super().__init__(features=bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_F_IN_ORDER) | bit(VIRTIO_NET_F_MRG_RXBUF)
+                         | bit(VHOST_USER_F_PROTOCOL_FEATURES), protocol_features=OFFERED_PROTOCOL)
+        self.fault = fault
+        self.loop = None
+        self.faults = 0
+
+    def update(self):
+        if self.ready():
+            if self.loop is None:
+                self.loop = _LoopQueues(self, self.fault)
+        else:
+            self._stop("not ready")
+
+    def _stop(self, why):
+        lp, self.loop = self.loop, None
+        if lp is not None:
+            self.faults += lp.faults
+            for v, q in zip(self.vrings, lp.q):
+                v.base = int(q.c.used_idx)
+
+
+class LoopDevice:
+    """A looping backend listening on ``sock`` (in a thread) with ``fault`` on; ``faults``: how often it struck."""
+
+    def __init__(self, sock, fault, seconds=60):
+        self.sock, self.fault, self.seconds = sock, fault, seconds
+        self.error = None
+        self.faults = 0
+        self.listener = vu.listen_unix(sock)
+        self.ino = os.lstat(sock).st_ino
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        dev = conn = None
+        try:
+            conn = vu.accept_unix(self.listener, timeout=20)
+            dev = _LoopNetDevice(self.fault)
+            end = time.monotonic() + self.seconds
+            while not self.stop.is_set() and time.monotonic() < end:
+                if not self._serve(conn, dev):
+                    break
+                if dev.loop is not None and not dev.loop.step():
+                    time.sleep(0.0002)
+        except PeerGone:
+            pass
+        except BaseException as e:   # surfaced by join()
+            self.error = e
+        finally:
+            if dev is not None:
+                dev._stop("end")
+                self.faults = dev.faults
+                dev.close()
+            if conn is not None:
+                conn.close()
+            vu.close_listener(self.listener, self.sock, self.ino)
+
+    @staticmethod
+    def _serve(conn, dev):
+        """At most one control message; False when the frontend left."""
+        r, _, _ = select.select([conn.sock], [], [], 0 if dev.loop is not None else 0.02)
+        if not r:
+            return True
+        try:
+            msg = conn.recv(timeout=5)
+        except PeerGone:
+            return False
+        value = vu.decode(msg)
+        try:
+            payload = dev.handle(msg, value)
+        except Refused:
+            if msg.need_reply:
+                conn.send(vu.ack(msg, ok=False), timeout=5)
+                return True
+            return False
+        if vu.has_reply(msg.request):
+            conn.send(vu.reply(msg, payload or b""), timeout=5)
+        elif vu.wants_ack(msg):
+            conn.send(vu.ack(msg, True), timeout=5)
+        return True
 
     def join(self, timeout=30):
         self.stop.set()

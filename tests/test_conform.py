@@ -6,7 +6,9 @@
 * ``conform driver`` against ``vring driver --mode macfwd``: every exercised row passes, the kick rows
   (EVT-12 / EVT-24: kicks arrive on the eventfd while notifications are enabled) included.
 * Wrong peers (tests/conform_peers.py): a backend that uses buffers out of order under IN_ORDER or completes
-  one twice, a driver that offers an in-flight head again or changes a published descriptor.
+  one twice, a looping backend that writes num_buffers one too high, puts an IN_ORDER batch entry at the
+  batch's last used slot or gives Tx buffers their readable length as used len (each blamed on its own row
+  only), a driver that offers an in-flight head again or changes a published descriptor.
 """
 import json
 import os
@@ -15,7 +17,7 @@ import sys
 
 import pytest
 
-from tests.conform_peers import FaultyDevice, FaultyDriver
+from tests.conform_peers import FaultyDevice, FaultyDriver, LoopDevice
 from tests.procs import collect
 from vhost.datapath import Options
 from vhost.testing import ThreadedServer
@@ -170,6 +172,47 @@ def test_conform_device_split_v_15_catches_double_completion(tmp_path, packed):
     else:
         assert "SPLIT-V-15" in f and "not a head in flight" in f["SPLIT-V-15"][0], f
         assert rep["error"] and "used id not in flight" in rep["error"]
+
+
+def conform_loop_device(tmp_path, fault, *args):
+    """`vring conform device` (split, in-order, ring 32) against a LoopDevice with ``fault``: (report, failed)."""
+    sock = str(tmp_path / "loop.sock")
+    dev = LoopDevice(sock, fault)
+    rc, rep, err = conform("device", "--socket", sock, "--ring-size", "32", "--split", "--in-order",
+                           "--rx-wait", "0.3", *args)
+    assert dev.join() and dev.error is None, dev.error
+    assert dev.faults > 0, "the fault never struck"
+    assert rc == 1 and rep is not None, (rc, err)
+    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
+    return rep, failed(rep)
+
+
+def test_conform_device_net_29_catches_num_buffers_one_too_high(tmp_path):
+    """Merged packets with num_buffers one above the buffers the frame fills: NET-29 fails with the frame's
+    length and the used entries; the packets are still taken apart by what the frame needs (no NET-30/31,
+    length or duplicate-frame cascade)."""
+    rep, f = conform_loop_device(tmp_path, "num-buffers+1", "--mrg-rxbuf", "--scenarios", "batches,mergeable")
+    assert set(f) == {"NET-29"}, f
+    assert "spans" in f["NET-29"][0] and "belong to the next packet" in f["NET-29"][0], f
+    r = rows(rep)
+    assert r["NET-30"]["passes"] and r["NET-31"]["passes"], (r["NET-30"], r["NET-31"])
+
+
+def test_conform_device_inorder_08_catches_batch_entry_at_last_slot(tmp_path):
+    """An IN_ORDER Tx batch's entry written at the batch's last used slot (used idx moved by the batch): the
+    first slot still holds the harness's canary; INORDER-08 names both slots, and the run goes on."""
+    rep, f = conform_loop_device(tmp_path, "batch-last", "--scenarios", "batches")
+    assert set(f) == {"INORDER-08"}, f
+    assert "still holds the canary" in f["INORDER-08"][0] and "the batch's last slot" in f["INORDER-08"][0], f
+    assert rows(rep)["INORDER-07"]["status"] == "pass"
+
+
+def test_conform_device_net_21_split_v_11_catch_tx_used_len(tmp_path):
+    """Tx buffers completed with their readable length as used len: SPLIT-V-11 and NET-21 (whose checklist text
+    says the Tx used len is 0) both fail; nothing else does."""
+    rep, f = conform_loop_device(tmp_path, "tx-len", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-V-11", "NET-21"}, f
+    assert "used len" in f["NET-21"][0] and "readable bytes" in f["NET-21"][0], f
 
 
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
