@@ -30,6 +30,7 @@ from .errors import VringError
 from .vhost_user import listen_unix
 
 MAX_REQUEST = 1 << 16
+MAX_REPLY = 1 << 26    # a raw snapshot of the largest packed ring is ~2 MiB in base64
 
 
 class ControlServer:
@@ -195,24 +196,43 @@ class ControlClient:
         self.f = self.sock.makefile("rwb")
 
     def request(self, cmd, **args):
+        """The reply dict. The server is another process: a reply that is not one line of JSON holding an object
+        (or is longer than MAX_REPLY) raises ControlError, never an untyped exception."""
         self.f.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         self.f.flush()
-        line = self.f.readline()
+        line = self.f.readline(MAX_REPLY)
         if not line:
             raise ConnectionError("control socket closed the connection")
-        return json.loads(line)
+        if not line.endswith(b"\n"):
+            raise ControlError(f"control socket sent a reply longer than {MAX_REPLY} bytes or cut short")
+        try:
+            reply = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise ControlError(f"control socket sent a malformed reply: {str(e)[:200]}") from None
+        if not isinstance(reply, dict):
+            raise ControlError(f"control socket sent a {type(reply).__name__}, not a JSON object")
+        return reply
 
     def list(self):
-        return _ok(self.request("list"))["queues"]
+        queues = _ok(self.request("list")).get("queues")
+        if not isinstance(queues, list) or not all(isinstance(q, dict) and isinstance(q.get("name"), str)
+                                                   for q in queues):
+            raise ControlError("control socket sent a malformed queue list")
+        return queues
 
     def snapshot(self, name):
         """(time, snapshot dict)."""
         r = _ok(self.request("snapshot", name=name))
+        if "time" not in r or not isinstance(r.get("snapshot"), dict):
+            raise ControlError(f"control socket sent a malformed snapshot for {name!r}")
         return r["time"], r["snapshot"]
 
     def raw(self, name):
         """The queue as a rawdump.RawSnapshot (copied in the server, decoded here)."""
-        return rawdump.loads(base64.b64decode(_ok(self.request("raw", name=name))["raw"]))
+        raw = _ok(self.request("raw", name=name)).get("raw")
+        if not isinstance(raw, str):
+            raise ControlError(f"control socket sent no raw snapshot for {name!r}")
+        return rawdump.loads(base64.b64decode(raw))
 
     def close(self):
         self.f.close()
@@ -231,7 +251,7 @@ class ControlError(VringError):
 
 def _ok(reply):
     if not reply.get("ok"):
-        raise ControlError(reply.get("error", "request failed"))
+        raise ControlError(str(reply.get("error", "request failed"))[:500])
     return reply
 
 

@@ -347,8 +347,17 @@ def _check_header(h):
 
 
 def load(path):
-    with open(path, "rb") as f:
-        return loads(f.read())
+    """loads() of a file. Only a regular file is read (opened non-blocking, so a FIFO cannot hang us and
+    /dev/zero cannot fill memory), and only once its first bytes are the magic."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise errors.ConfigError(f"{path}: not a regular file")
+    with open(fd, "rb") as f:
+        head = f.read(len(MAGIC))
+        if head != MAGIC:
+            raise errors.ConfigError("not a vring raw snapshot (bad magic)")
+        return loads(head + f.read())
 
 
 def save(q, path, meta=None):

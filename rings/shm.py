@@ -82,22 +82,32 @@ class ShmRegion:
         except posix_ipc.Error as e:
             raise ShmError(f"cannot open shared memory {name}: {e}") from e
         size = shm.size if size is None else size
-        return cls(shm.fd, size, name=name)
+        try:
+            return cls(shm.fd, size, name=name)
+        except ShmError:
+            os.close(shm.fd)
+            raise
 
     @classmethod
     def from_fd(cls, fd, size=None, offset=0):
-        """Map a descriptor received from a peer (the region takes ownership of ``fd``)."""
+        """Map a descriptor received from a peer (the region takes ownership of ``fd``, also when it fails)."""
         try:
-            st = os.fstat(fd)
-        except OSError as e:
-            raise ShmError(f"bad fd {fd}: {e}") from e
-        if size is None:
-            size = st.st_size - offset
-        if offset < 0 or size <= 0 or offset + size > st.st_size:
-            os.close(fd)
-            raise ShmError(f"mapping {size:#x} bytes at offset {offset:#x} does not fit the file "
-                           f"({st.st_size:#x} bytes)")
-        return cls(fd, size, offset=offset)
+            try:
+                st = os.fstat(fd)
+            except OSError as e:
+                raise ShmError(f"bad fd {fd}: {e}") from e
+            if size is None:
+                size = st.st_size - offset
+            if offset < 0 or size <= 0 or offset + size > st.st_size:
+                raise ShmError(f"mapping {size:#x} bytes at offset {offset:#x} does not fit the file "
+                               f"({st.st_size:#x} bytes)")
+            return cls(fd, size, offset=offset)
+        except ShmError:   # owned on every path: a peer's fd that cannot be mapped is closed, never leaked
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
 
     def fileno(self):
         return self._fd

@@ -41,6 +41,9 @@ _ELEM = struct.Struct("<II")
 MAX_FRAME = 65536 + 64
 
 
+#: the counters of every observer (and of the totals, also when no queue was ever captured)
+STAT_KEYS = ("frames", "lapped", "lost", "unreadable", "not_seen_published")
+
 class _Ring:
     """Common to both formats: memory views, the frame assembly, the counters."""
 
@@ -55,7 +58,7 @@ class _Ring:
         self.hdr = virtio_net_hdr_size(features)
         self.mrg = rx and has(features, VIRTIO_NET_F_MRG_RXBUF)
         self.pending = None          # Rx, mergeable: [frame bytes so far, buffers still to come]
-        self.stats = {"frames": 0, "lapped": 0, "lost": 0, "unreadable": 0, "not_seen_published": 0}
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     def u16(self, view, off):
         return _U16.unpack_from(view, off)[0]
@@ -387,7 +390,8 @@ class Capture:
         self.writer.flush()
 
     def stats(self):
-        out = defaultdict(int, self.totals)
+        out = defaultdict(int, dict.fromkeys(STAT_KEYS, 0))   # every key, also when no queue was ever seen
+        out.update(self.totals)
         for obs in list(self.observers.values()):
             for k, v in obs.stats.items():
                 out[k] += v

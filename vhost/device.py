@@ -248,11 +248,11 @@ class NetDevice:
                 if end > st.st_size:
                     raise Refused(f"SET_MEM_TABLE: region {i} (mmap_offset {r.mmap_offset:#x} + size {r.size:#x})"
                                   f" ends outside its file ({st.st_size:#x} bytes)")
+                fds[i] = -1   # from_fd owns it now, mapped or not
                 try:   # mapped from offset 0, as DPDK does: mmap_offset need not be page aligned
                     shm = ShmRegion.from_fd(fd, end, 0)
                 except ShmError as e:
                     raise Refused(f"SET_MEM_TABLE: region {i}: {e}") from None
-                fds[i] = -1   # the region owns it now
                 mapped.append((r, shm))
             table = MemoryTable()
             for r, shm in mapped:
@@ -363,7 +363,19 @@ class NetDevice:
         return vu.VringState(st.index, v.base).pack()
 
     def _take_fd(self, msg, f):
-        return NOFD if f.nofd else msg.take_fds()[0]
+        """The kick/call fd (NOFD with the flag). It must be an eventfd: the data path writes and reads it in C,
+        and a pipe or socket the frontend never drains would block that write and hang the whole server."""
+        if f.nofd:
+            return NOFD
+        fd = msg.take_fds()[0]
+        try:
+            kind = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            kind = "?"
+        if kind != "anon_inode:[eventfd]":
+            os.close(fd)
+            raise Refused(f"{msg.name} {f.index}: the fd is {kind}, not an eventfd")
+        return fd
 
     def _set_vring_kick(self, msg, f):
         v = self._vring(msg, f.index)

@@ -121,12 +121,13 @@ class InflightArea:
         try:
             st = os.fstat(fd)
         except OSError as e:
+            os.close(fd)
             raise InflightError(f"SET_INFLIGHT_FD: bad fd ({e.strerror})") from None
         if mmap_offset + mmap_size > st.st_size:
             os.close(fd)
             raise InflightError(f"SET_INFLIGHT_FD: offset {mmap_offset:#x} + size {mmap_size:#x} ends outside "
                                 f"the file ({st.st_size:#x} bytes)")
-        try:   # mapped from offset 0, as the memory regions: mmap_offset need not be page aligned
+        try:   # mapped from offset 0, as the memory regions (from_fd closes fd if it fails)
             self.shm = ShmRegion.from_fd(fd, mmap_offset + mmap_size, 0)
         except ShmError as e:
             raise InflightError(f"SET_INFLIGHT_FD: {e}") from None

@@ -97,6 +97,29 @@ def register(sub):
     return p
 
 
+def _check_args(args):
+    """The first argument out of range, in words (None if all are fine): checked before connecting, so that a
+    typo is a one-line error instead of a traceback (or a run that silently sends nothing) later."""
+    import math
+    for name, value, lo, hi in (("--count", args.count, 0, None), ("--burst", args.burst, 1, 1024),
+                                ("--rx-burst", args.rx_burst, 0, 1024), ("--pkt-size", args.pkt_size, 1, 65535 - 12),
+                                ("--spin", args.spin, 0, 1 << 31), ("--pcap-count", args.pcap_count, 0, None),
+                                ("--pin", args.pin, 0, None)):
+        if value is not None and (value < lo or hi is not None and value > hi):
+            return f"{name} must be " + (f"{lo}..{hi}" if hi is not None else f">= {lo}") + f", not {value}"
+    for name, value in (("--seconds", args.seconds), ("--drain", args.drain), ("--latency-warmup", args.latency_warmup),
+                        ("--idle-first", args.idle_first), ("--rate", args.rate)):
+        if not (math.isfinite(value) and value >= 0):
+            return f"{name} must be a finite number >= 0, not {value}"
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        return f"--timeout must be a finite number > 0, not {args.timeout}"
+    for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):
+        parts = mac.split(":")
+        if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
+            return f"{name} must look like 02:00:00:00:00:01, not {mac!r}"
+    return None
+
+
 def main(args):
     cfg = DriverConfig(
         socket=args.socket, packed=args.packed, in_order=args.in_order, mrg_rxbuf=args.mrg_rxbuf,
@@ -108,7 +131,7 @@ def main(args):
         latency_warmup=args.latency_warmup, idle_first=args.idle_first,
         tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst,
         reconnect=args.reconnect, server=args.server, inflight=args.inflight)
-    error = snapshot_options.apply(args)
+    error = _check_args(args) or snapshot_options.apply(args)
     if error is None and args.mode == "rate" and not args.rate > 0:
         error = "--mode rate needs --rate PPS > 0"
     if error:
@@ -118,7 +141,7 @@ def main(args):
         res = run(cfg)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
-        if isinstance(e, VringError):
+        if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create
             print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise

@@ -85,7 +85,7 @@ def run(args):
     if args.pin is not None:
         try:
             os.sched_setaffinity(0, {args.pin})
-        except OSError as e:
+        except (OSError, ValueError) as e:   # ValueError: a negative CPU number
             return _error(f"cannot pin to CPU {args.pin}: {e}")
     if args.handshake_timeout <= 0:
         return _error("--handshake-timeout must be > 0")
