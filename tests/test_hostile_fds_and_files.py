@@ -1,4 +1,6 @@
-"""Regressions from an adversarial review: what a hostile frontend, control socket or careless user could do.
+"""What a hostile frontend, control socket or file, or a careless user, could do (found by an adversarial review):
+unmappable memory and inflight fds, kick/call fds that are not eventfds, control replies of the wrong shape, dump
+files that are not regular files, driver arguments out of range.
 
 Each test failed before its fix: a leaked fd, a server hung in write(), a traceback instead of a one-line error.
 """
