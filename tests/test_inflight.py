@@ -196,6 +196,25 @@ def test_area_size_checked():
         InflightArea(fd, size, 0, 2, SIZE, True)   # a packed area needs more than a split one
 
 
+def test_area_is_sealed_and_an_unsealed_one_is_refused():
+    """The frontend keeps the area's fd: shrunk under the backend's mapping, the next access would fault (SIGBUS,
+    the backend dies). GET_INFLIGHT_FD's area cannot shrink (F_SEAL_SHRINK), and SET_INFLIGHT_FD refuses an
+    area that could."""
+    import os
+    fd, size = create_area(2, SIZE, False)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)   # what a hostile frontend can hand over
+    os.ftruncate(fd, size)
+    with pytest.raises(InflightError, match="F_SEAL_SHRINK"):
+        InflightArea(fd, size, 0, 2, SIZE, False)
+    with pytest.raises(OSError):
+        os.fstat(fd)   # closed by the refusal, as every other refusal does
+
+
 def test_packed_without_the_area_a_half_published_batch_blocks_until_the_ring_is_reset():
     """A packed device writes a batch's used descriptors, the head's flags last; killed in between, it leaves
     slots that look neither available nor used. Its successor (no inflight area: DPDK net_vhost) takes the
