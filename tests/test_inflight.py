@@ -196,6 +196,25 @@ def test_area_size_checked():
         InflightArea(fd, size, 0, 2, SIZE, True)   # a packed area needs more than a split one
 
 
+def test_area_is_sealed_and_an_unsealed_one_is_refused():
+    """The frontend keeps the area's fd: shrunk under the backend's mapping, the next access would fault (SIGBUS,
+    the backend dies). GET_INFLIGHT_FD's area cannot shrink (F_SEAL_SHRINK), and SET_INFLIGHT_FD refuses an
+    area that could."""
+    import os
+    fd, size = create_area(2, SIZE, False)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)   # what a hostile frontend can hand over
+    os.ftruncate(fd, size)
+    with pytest.raises(InflightError, match="F_SEAL_SHRINK"):
+        InflightArea(fd, size, 0, 2, SIZE, False)
+    with pytest.raises(OSError):
+        os.fstat(fd)   # closed by the refusal, as every other refusal does
+
+
 def test_packed_without_the_area_a_half_published_batch_blocks_until_the_ring_is_reset():
     """A packed device writes a batch's used descriptors, the head's flags last; killed in between, it leaves
     slots that look neither available nor used. Its successor (no inflight area: DPDK net_vhost) takes the
@@ -224,3 +243,28 @@ def test_packed_without_the_area_a_half_published_batch_blocks_until_the_ring_is
         assert pair.reclaim() == tokens
     finally:
         pair.close()
+
+
+def test_get_inflight_fd_only_for_the_queues_the_device_has():
+    """GET_INFLIGHT_FD makes (and touches) the whole area: 256 packed queues of 32768 would be 256 MiB of shared
+    memory per request, held by the frontend's fd. Only the device's own vring count is accepted."""
+    import os
+
+    from rings import vhost_user as vu
+    from rings.layout import bit
+    from vhost.device import NUM_VRINGS, NetDevice, Refused, Reply
+
+    dev = NetDevice()
+    R, PF = vu.VhostUserRequest, vu.VhostUserProtocolFeature
+
+    def handle(request, payload):
+        msg = vu.Message(request, payload=payload)
+        return dev.handle(msg, vu.decode(msg))
+    handle(R.SET_PROTOCOL_FEATURES, vu.pack_u64(bit(PF.INFLIGHT_SHMFD)))
+    with pytest.raises(Refused, match="256 queues"):
+        handle(R.GET_INFLIGHT_FD, vu.Inflight(0, 0, 256, 32768).pack())
+    got = handle(R.GET_INFLIGHT_FD, vu.Inflight(0, 0, NUM_VRINGS, 256).pack())
+    assert isinstance(got, Reply) and vu.Inflight.unpack(got.payload).mmap_size == 2 * queue_region_size(False, 256)
+    for fd in got.fds:
+        os.close(fd)
+    dev.close()

@@ -139,3 +139,56 @@ def test_kill9_of_the_driver_backend_serves_the_next(tmp_path):
     assert res["rx"]["packets"] > 1000
     assert ours["connections"] == 2 and ours["ring_errors"] == 0 and ours["refused"] == 0, ours
     assert " ERROR " not in log, log[-3000:]
+
+
+def _dies_at(monkeypatch, method, calls):
+    """The backend is gone when the driver's ``method`` runs for the ``calls``-th time (the connection is shut
+    down just before the message goes out: what a kill -9 at that moment looks like to the driver)."""
+    import socket
+
+    from virtio.frontend import VhostUserFrontend
+    orig, seen = getattr(VhostUserFrontend, method), []
+
+    def dying(self, *a, **kw):
+        seen.append(1)
+        if len(seen) in calls:
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+        return orig(self, *a, **kw)
+    monkeypatch.setattr(VhostUserFrontend, method, dying)
+    return seen
+
+
+@pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
+def test_backend_gone_before_the_rings_are_up_is_replaced(tmp_path, monkeypatch, packed):
+    """--reconnect: a backend lost after the handshake and before the rings are started (SET_MEM_TABLE ..
+    DRIVER_OK) is replaced like one lost during the handshake, on the first connection and on a reconnect
+    (the driver used to exit with PeerGone); every frame is there at the end."""
+    from virtio.app import DriverConfig, run
+    sock = str(tmp_path / "vh.sock")
+    seen = _dies_at(monkeypatch, "set_mem_table", calls={1, 3})   # the first start, and the first restart's
+    backends = [VhostProcess(sock, "--fwd", "macswap")]
+    killer = None
+    try:
+        backends[0].wait_socket()
+
+        def kill_and_relaunch():
+            time.sleep(1.0)
+            backends[-1].proc.send_signal(signal.SIGKILL)
+            backends[-1].proc.wait(10)
+            os.unlink(sock)
+            backends.append(VhostProcess(sock, "--fwd", "macswap"))
+        import threading
+        killer = threading.Thread(target=kill_and_relaunch)
+        killer.start()
+        res = run(DriverConfig(socket=sock, reconnect=True, verify=True, mode="macfwd", count=64, seconds=4,
+                               packed=bool(packed), drain=0.1))
+    finally:
+        if killer is not None:
+            killer.join(20)
+        for be in backends:
+            be.__exit__()
+    pop = res["verify"]["population"]
+    assert len(seen) >= 4, seen
+    assert res["connections"] == 4, res["reconnects"]   # two lost before the rings were up, two that served
+    assert pop["present"] == 64 and pop["absent"] == 0 and res["verify"]["bad"] == 0, res["verify"]
+    assert res["rx"]["errors"] == res["tx"]["errors"] == 0

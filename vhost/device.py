@@ -205,6 +205,8 @@ class NetDevice:
         """A new zeroed area for ``num_queues`` x ``queue_size``, laid out for the negotiated ring format (send
         SET_FEATURES first, as DPDK needs too)."""
         self._inflight_allowed(msg)
+        if inf.num_queues != NUM_VRINGS:   # the area is ours to fill (all of it touched): only what we serve
+            raise Refused(f"GET_INFLIGHT_FD: {inf.num_queues} queues; this device has {NUM_VRINGS}")
         try:
             fd, size = create_area(inf.num_queues, inf.queue_size, self.packed)
         except (InflightError, OSError) as e:

@@ -23,6 +23,7 @@ Layouts (shared/spec/vhost-user.md 5.1; QEMU's vhost-user spec, DPDK's ``rte_vho
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 
@@ -54,6 +55,11 @@ assert DESC_SPLIT.itemsize == ffi.sizeof("struct vhi_desc_split") == 16
 assert HDR_SPLIT.itemsize == ffi.sizeof("struct vhi_region_split") == 16
 assert DESC_PACKED.itemsize == ffi.sizeof("struct vhi_desc_packed") == 32
 assert HDR_PACKED.itemsize == 29 and ffi.sizeof("struct vhi_region_packed") == 32
+
+
+#: the seals an area must carry: a mapping of a file that shrinks faults (SIGBUS) where it is touched, and the
+#: frontend keeps the fd; F_SEAL_SEAL so that nobody can take them off
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class InflightError(VringError):
@@ -90,9 +96,10 @@ def create_area(num_queues, queue_size, packed):
     if not 1 <= num_queues <= 256 or not 1 <= queue_size <= 32768:
         raise InflightError(f"GET_INFLIGHT_FD: {num_queues} queues of {queue_size} entries is out of range")
     size = num_queues * queue_region_size(packed, queue_size)
-    fd = os.memfd_create("vhost-inflight", os.MFD_CLOEXEC)
+    fd = os.memfd_create("vhost-inflight", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)   # see InflightArea: nobody can shrink it under a mapping
         shm = ShmRegion.from_fd(os.dup(fd), size)
         try:
             _init_free_lists(shm.buf, packed, num_queues, queue_size)
@@ -123,6 +130,14 @@ class InflightArea:
         except OSError as e:
             os.close(fd)
             raise InflightError(f"SET_INFLIGHT_FD: bad fd ({e.strerror})") from None
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            os.close(fd)
+            raise InflightError("SET_INFLIGHT_FD: the area is not sealed against shrinking (F_SEAL_SHRINK); the "
+                                "frontend could truncate it under the mapping (GET_INFLIGHT_FD makes sealed ones)")
         if mmap_offset + mmap_size > st.st_size:
             os.close(fd)
             raise InflightError(f"SET_INFLIGHT_FD: offset {mmap_offset:#x} + size {mmap_size:#x} ends outside "

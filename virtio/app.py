@@ -166,8 +166,8 @@ def run(cfg: DriverConfig, on_ready=None):
     result = {"config": asdict(cfg)}
     try:
         sess.open()
-        features = sess.establish(time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf"),
-                                  lambda: stop.flag)
+        up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
+        features = sess.establish(up_until, lambda: stop.flag)
         segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
@@ -175,7 +175,7 @@ def run(cfg: DriverConfig, on_ready=None):
                        hdr_init=cfg.hdr_init, doorbell=cfg.doorbell)
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
-        sess.start(nq)
+        sess.bring_up(nq, up_until, lambda: stop.flag)
         nq.set_kickfds(fe.kickfds)   # created by the first start (SET_VRING_KICK), kept across reconnects;
         nq.rx.fill()                 # no kick before DRIVER_OK (NOTIF-08)
         result.update(features=features, feature_names=feature_names(features), hdr_size=nq.hdr_size,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 from rings import vhost_user as vu
 from rings.errors import ConfigError, FeatureRefused, PeerGone, ProtocolError, ProtocolTimeout
 
@@ -114,6 +116,25 @@ class Session:
         self.fe.get_inflight(nq.size)
         self.fe.start(nq.mem, nq.layouts(), bases=own_bases(nq))
 
+    def try_start(self, nq):
+        """``start``; a backend that dies (or stalls) before the rings are up is dropped like one that dies during
+        the handshake (True: started; False: connection lost, establish again). Without ``reconnect`` it raises."""
+        try:
+            self.start(nq)
+            return True
+        except (PeerGone, ProtocolTimeout) as e:
+            if not self.reconnect:
+                raise
+            self.events("handshake_failed", reason=str(e))
+            self.fe.disconnect()
+            return False
+
+    def bring_up(self, nq, deadline=float("inf"), stop=lambda: False):
+        """The first start of the rings (the backend is established): retried with the next backend until it
+        succeeds, ``deadline`` or ``stop()`` (PeerGone)."""
+        while not self.try_start(nq):
+            self.establish(deadline, stop)
+
     def replace_backend(self, nq, why, deadline, stop, burst, record):
         """The backend went away: wait for the next one (until ``deadline`` or ``stop()``: PeerGone), consume what
         the old one published (Tx cleanup; every used Rx entry, so that our used position is the device's) and
@@ -121,19 +142,22 @@ class Session:
         caller to handle; ``record`` gets ``down_s`` and ``held``."""
         t0 = time.monotonic()
         self.lost(why)
-        self.establish(deadline, stop)
-        nq.tx.cleanup(0)
-        held = []
-        while True:
-            idx, lens = nq.rx.burst(burst)
-            if len(idx) == 0:
+        held, resend = [], None
+        while True:   # until a backend is up: one may die before the rings are (try_start)
+            self.establish(deadline, stop)
+            nq.tx.cleanup(0)
+            while True:
+                idx, lens = nq.rx.burst(burst)
+                if len(idx) == 0:
+                    break
+                held.append((idx.copy(), lens.copy()))
+            if nq.fmt == "packed" and not self.fe.has_inflight:   # see DriverQueue.reset
+                again = nq.reset_rings()   # after a failed start: nothing of ours was sent to the fresh rings
+                resend = again if resend is None else (np.concatenate((resend[0], again[0])),
+                                                       np.concatenate((resend[1], again[1])), resend[2] + again[2])
+                record.update(ring_reset=True, resent=len(resend[0]), partial_dropped=resend[2])
+            if self.try_start(nq):
                 break
-            held.append((idx.copy(), lens.copy()))
-        resend = None
-        if nq.fmt == "packed" and not self.fe.has_inflight:   # see DriverQueue.reset
-            resend = nq.reset_rings()
-            record.update(ring_reset=True, resent=len(resend[0]), partial_dropped=resend[2])
-        self.start(nq)
         if resend is not None and len(resend[0]):
             sent = nq.tx.burst(resend[0], resend[1])
             if sent < len(resend[0]):   # cannot happen: they were in this ring a moment ago
