@@ -5,6 +5,7 @@ files that are not regular files, driver arguments out of range.
 Each test failed before its fix: a leaked fd, a server hung in write(), a traceback instead of a one-line error.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from rings import ctl, rawdump
 from rings import vhost_user as vu
 from rings.errors import ConfigError, VringError
+from tests.procs import collect, wait_for
 from vhost.device import NetDevice, Refused
 
 R = vu.VhostUserRequest
@@ -141,3 +143,22 @@ def test_driver_bad_argument_is_one_line_exit_2(tmp_path, args):
                        capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and args[0] in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
+    """A closed terminal (SIGHUP) stops `vring vhost` like Ctrl-C and SIGTERM: exit 0, its socket file removed
+    (the default action left it behind)."""
+    sock = str(tmp_path / "vh.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(sock, proc)
+        proc.send_signal(sig)
+        rc, _, err = collect(proc, 20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    assert not os.path.exists(sock)

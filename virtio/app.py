@@ -161,7 +161,7 @@ def run(cfg: DriverConfig, on_ready=None):
     fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     wakeup = _SignalWakeup()
     result = {"config": asdict(cfg)}
     try:

@@ -76,7 +76,7 @@ def run(args):
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
                         format="%(asctime)s tap %(levelname)s %(message)s")
     stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, lambda *_: stop.set())
     log = notify = ctl = capture = frontend = backend = None
     try:

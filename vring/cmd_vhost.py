@@ -95,8 +95,8 @@ def run(args):
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
-    signal.signal(signal.SIGINT, server.stop)
-    signal.signal(signal.SIGTERM, server.stop)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # each ends it cleanly: the socket file goes too
+        signal.signal(s, server.stop)
     ctl = None
     try:   # a live socket at either path is never taken over: a clear error, exit 2
         server.open()
