@@ -141,3 +141,44 @@ def test_driver_bad_argument_is_one_line_exit_2(tmp_path, args):
                        capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 2
     assert p.stderr.strip().count("\n") == 0 and args[0] in p.stderr, p.stderr
+
+
+def test_driver_memory_cannot_be_shrunk_by_the_backend(tmp_path, monkeypatch):
+    """A backend that truncated the driver's shared memory after SET_MEM_TABLE killed `vring driver` with SIGBUS
+    (exit 135). The memory is now a memfd whose size is sealed before its fd is sent: the truncation fails with
+    EPERM, and the driver runs its traffic and exits 0."""
+    import errno
+    import fcntl
+    import json
+    from vhost.datapath import Options
+    from vhost.testing import ThreadedServer
+    from rings.shm import F_GET_SEALS, SEALS_FIXED_SIZE
+    attempts = []
+    honest = NetDevice._set_mem_table
+
+    def shrink_then_map(self, msg, regions):
+        for fd in msg.fds:
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+            try:
+                os.ftruncate(fd, 0)
+                attempts.append((seals, 0))
+            except OSError as e:
+                attempts.append((seals, e.errno))
+            try:
+                os.ftruncate(fd, os.fstat(fd).st_size * 2)   # growing is sealed too (the mapping would not follow)
+                attempts.append((seals, 0))
+            except OSError as e:
+                attempts.append((seals, e.errno))
+        return honest(self, msg, regions)
+
+    monkeypatch.setattr(NetDevice, "_set_mem_table", shrink_then_map)
+    sock = str(tmp_path / "evil.sock")
+    with ThreadedServer(sock, Options(fwd="macswap")):
+        p = subprocess.run([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--json", "--mode",
+                            "macfwd", "--count", "64", "--seconds", "1"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr
+    assert attempts and all(seals & SEALS_FIXED_SIZE == SEALS_FIXED_SIZE and err == errno.EPERM
+                            for seals, err in attempts), attempts
+    res = json.loads(p.stdout)
+    assert res["rx"]["packets"] > 0 and res["tx"]["packets"] > 0
