@@ -182,3 +182,56 @@ def test_driver_memory_cannot_be_shrunk_by_the_backend(tmp_path, monkeypatch):
                             for seals, err in attempts), attempts
     res = json.loads(p.stdout)
     assert res["rx"]["packets"] > 0 and res["tx"]["packets"] > 0
+
+
+def _shrink_errno(fd):
+    try:
+        os.ftruncate(fd, 0)
+        return 0
+    except OSError as e:
+        return e.errno
+
+
+@pytest.mark.parametrize("sealable", [True, False])
+def test_received_memory_is_sealed_against_shrinking_when_the_peer_allows_it(sealable, caplog):
+    """`vring vhost` (SET_MEM_TABLE, SET_INFLIGHT_FD) and `vring tap` add F_SEAL_SHRINK to a memory fd they map; a
+    file whose creator did not allow sealing (DPDK's, QEMU's, POSIX shm) is still mapped, and the log says so."""
+    import errno
+    import logging
+    from rings.shm import ShmRegion
+    from tap.picture import MappedRegion
+    size = 0x20000
+    if sealable:
+        fd = os.memfd_create("peer-mem", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+    else:
+        shm = ShmRegion.create(size, prefix="vring-test-unsealable")
+        shm.unlink()
+        fd = os.dup(shm.fileno())
+        shm.close()
+    try:
+        region = vu.MemRegion(0x1000, size, 0x10000000)
+        with caplog.at_level(logging.DEBUG, logger="rings.shm"):
+            tap_region = MappedRegion(region, fd)
+            dev = _device(protocol_features=1 << vu.VhostUserProtocolFeature.INFLIGHT_SHMFD)
+            _handle(dev, R.SET_MEM_TABLE, vu.pack_mem_table([region]), [os.dup(fd)])
+            _handle(dev, R.SET_INFLIGHT_FD, vu.Inflight(0x10000, 0, 2, 256).pack(), [os.dup(fd)])
+        assert tap_region.sealed is sealable
+        assert len(dev.regions) == 1 and dev.inflight is not None   # mapped either way
+        dev.close()
+        tap_region.mm.close()
+        assert _shrink_errno(fd) == (errno.EPERM if sealable else 0)
+        said = "sealed against shrinking" if sealable else "did not allow sealing"
+        assert sum(said in r.getMessage() for r in caplog.records) == 3, caplog.text
+    finally:
+        os.close(fd)
+
+
+def test_inflight_area_we_create_is_size_sealed():
+    import errno
+    from vhost.inflight import create_area
+    fd, size = create_area(2, 256, False)
+    try:
+        assert os.fstat(fd).st_size == size and _shrink_errno(fd) == errno.EPERM
+    finally:
+        os.close(fd)

@@ -29,7 +29,7 @@ import os
 import numpy as np
 
 from rings.errors import ShmError, VringError
-from rings.shm import ShmRegion
+from rings.shm import ShmRegion, seal_shrink
 
 from ._net import ffi
 
@@ -90,18 +90,15 @@ def create_area(num_queues, queue_size, packed):
     if not 1 <= num_queues <= 256 or not 1 <= queue_size <= 32768:
         raise InflightError(f"GET_INFLIGHT_FD: {num_queues} queues of {queue_size} entries is out of range")
     size = num_queues * queue_region_size(packed, queue_size)
-    fd = os.memfd_create("vhost-inflight", os.MFD_CLOEXEC)
+    try:   # size-sealed before the frontend gets it, so that it cannot shrink it under a later mapping of ours
+        shm = ShmRegion.create_sealed(size, name="vhost-inflight")
+    except ShmError as e:
+        raise InflightError(f"GET_INFLIGHT_FD: {e}") from None
     try:
-        os.ftruncate(fd, size)
-        shm = ShmRegion.from_fd(os.dup(fd), size)
-        try:
-            _init_free_lists(shm.buf, packed, num_queues, queue_size)
-        finally:
-            shm.close()
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
+        _init_free_lists(shm.buf, packed, num_queues, queue_size)
+        return os.dup(shm.fileno()), size
+    finally:
+        shm.close()
 
 
 class InflightArea:
@@ -119,6 +116,7 @@ class InflightArea:
             raise InflightError(f"SET_INFLIGHT_FD: {mmap_size:#x} bytes cannot hold {num_queues} "
                                 f"{'packed' if packed else 'split'} regions of {self.step:#x} bytes")
         try:
+            seal_shrink(fd, "SET_INFLIGHT_FD area")
             st = os.fstat(fd)
         except OSError as e:
             os.close(fd)
