@@ -142,4 +142,11 @@ class BaseOutOfRange(RingError):
     code, spec = 17, "vhost-user SET_VRING_BASE"
 
 
+class GuestMemoryFault(RingError):
+    """The peer's memory vanished under the ring (SIGBUS caught in the C data path): it shrank the file behind a
+    region after handing it over. What the interrupted burst was doing is half done, so the queues of that
+    connection are never touched again; the connection is dropped. ``code`` is the C side's GF_FAULT."""
+    code, spec = -1, "vhost-user SET_MEM_TABLE"
+
+
 RING_ERRORS = {cls.code: cls for cls in RingError.__subclasses__()}

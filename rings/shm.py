@@ -3,8 +3,14 @@
 A region is created by one process (mode 0600, unique name) and attached by others, by name or by file
 descriptor (the descriptor is what travels over the vhost-user socket). The creator unlinks the name when it
 closes, at interpreter exit, or when the object is collected, so no segment is left behind.
+
+Memory handed to a peer is a size-sealed memfd (``create_sealed``): a peer that shrinks the file under our
+mapping would kill us with SIGBUS. A receiver seals what the peer lets it seal (``seal_shrink``).
 """
 import atexit
+import errno
+import fcntl
+import logging
 import mmap
 import os
 import secrets
@@ -18,6 +24,37 @@ from .errors import AddressOutOfBounds, MemoryTableError, ShmError
 MAX_REGIONS = 8  # what DPDK 22.11 accepts in one SET_MEM_TABLE
 
 _live_names = set()
+
+log = logging.getLogger(__name__)
+
+# memfd seals (fcntl has them on Linux since Python 3.9; the numbers are the kernel's, for other builds)
+F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 1)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 4)
+#: what create_sealed fixes before the fd leaves the process: the size, for good (the peer may still write)
+SEALS_FIXED_SIZE = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
+
+
+def seal_shrink(fd, what="region"):
+    """A receiver's protection: forbid shrinking the file behind ``fd`` (F_SEAL_SHRINK), so that nobody can
+    take pages away from under our mapping. True if the file cannot shrink now (sealed by us or already by its
+    creator); False if the creator did not allow sealing (DPDK's and QEMU's hugepage or /dev/shm files: EPERM
+    for a file without MFD_ALLOW_SEALING or already F_SEAL_SEAL'ed, EINVAL for a file system without seals)."""
+    try:
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)
+        sealed = True
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EBUSY, errno.EINVAL):
+            raise
+        try:
+            sealed = bool(fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK)
+        except OSError:
+            sealed = False
+    log.debug("%s: %s", what, "sealed against shrinking" if sealed
+              else "the peer did not allow sealing: a shrink is caught as a guest memory fault")
+    return sealed
 
 
 @atexit.register
@@ -74,6 +111,27 @@ class ShmRegion:
             os.close(shm.fd)
             _unlink(name)
             raise
+
+    @classmethod
+    def create_sealed(cls, size, name="vring"):
+        """Anonymous memory (memfd) of ``size`` bytes whose size is sealed (SEALS_FIXED_SIZE) before the fd can
+        reach anyone: a peer that gets the fd may read and write it, but not shrink it under our mapping (no
+        SIGBUS for us), grow it, or lift the seals. It has no name, so nothing can be left in /dev/shm."""
+        if size <= 0:
+            raise ShmError(f"region size must be positive, got {size}")
+        try:
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as e:
+            raise ShmError(f"cannot create memfd {name}: {e}") from e
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, F_ADD_SEALS, SEALS_FIXED_SIZE)
+            return cls(fd, size, name=None, owner=True)
+        except (OSError, ShmError) as e:
+            os.close(fd)
+            if isinstance(e, ShmError):
+                raise
+            raise ShmError(f"cannot size and seal memfd {name} ({size:#x} bytes): {e}") from e
 
     @classmethod
     def attach(cls, name, size=None):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from rings import vhost_user as vu
 from rings.errors import VringError
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, QueueLayout, align_up, feature_names, has)
-from rings.shm import MemoryTable
+from rings.shm import MemoryTable, seal_shrink
 
 R = vu.VhostUserRequest
 STATUS_NAMES = {1: "ACKNOWLEDGE", 2: "DRIVER", 4: "DRIVER_OK", 8: "FEATURES_OK", 0x40: "NEEDS_RESET",
@@ -52,6 +52,7 @@ class MappedRegion:
 
     def __init__(self, region, fd):
         self.region = region
+        self.sealed = seal_shrink(fd, f"region gpa {region.gpa:#x}")   # before the size is checked
         st = os.fstat(fd)
         need = region.mmap_offset + region.size
         if st.st_size and need > st.st_size:

@@ -162,3 +162,147 @@ def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
             proc.communicate()
     assert rc == 0, err
     assert not os.path.exists(sock)
+
+
+def test_driver_memory_cannot_be_shrunk_by_the_backend(tmp_path, monkeypatch):
+    """A backend that truncated the driver's shared memory after SET_MEM_TABLE killed `vring driver` with SIGBUS
+    (exit 135). The memory is now a memfd whose size is sealed before its fd is sent: the truncation fails with
+    EPERM, and the driver runs its traffic and exits 0."""
+    import errno
+    import fcntl
+    import json
+    from vhost.datapath import Options
+    from vhost.testing import ThreadedServer
+    from rings.shm import F_GET_SEALS, SEALS_FIXED_SIZE
+    attempts = []
+    honest = NetDevice._set_mem_table
+
+    def shrink_then_map(self, msg, regions):
+        for fd in msg.fds:
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+            try:
+                os.ftruncate(fd, 0)
+                attempts.append((seals, 0))
+            except OSError as e:
+                attempts.append((seals, e.errno))
+            try:
+                os.ftruncate(fd, os.fstat(fd).st_size * 2)   # growing is sealed too (the mapping would not follow)
+                attempts.append((seals, 0))
+            except OSError as e:
+                attempts.append((seals, e.errno))
+        return honest(self, msg, regions)
+
+    monkeypatch.setattr(NetDevice, "_set_mem_table", shrink_then_map)
+    sock = str(tmp_path / "evil.sock")
+    with ThreadedServer(sock, Options(fwd="macswap")):
+        p = subprocess.run([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--json", "--mode",
+                            "macfwd", "--count", "64", "--seconds", "1"], capture_output=True, text=True, timeout=60,
+                           env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr
+    assert attempts and all(seals & SEALS_FIXED_SIZE == SEALS_FIXED_SIZE and err == errno.EPERM
+                            for seals, err in attempts), attempts
+    res = json.loads(p.stdout)
+    assert res["rx"]["packets"] > 0 and res["tx"]["packets"] > 0
+
+
+def _shrink_errno(fd):
+    try:
+        os.ftruncate(fd, 0)
+        return 0
+    except OSError as e:
+        return e.errno
+
+
+@pytest.mark.parametrize("sealable", [True, False])
+def test_received_memory_is_sealed_against_shrinking_when_the_peer_allows_it(sealable, caplog):
+    """`vring vhost` (SET_MEM_TABLE, SET_INFLIGHT_FD) and `vring tap` add F_SEAL_SHRINK to a memory fd they map; a
+    memory file whose creator did not allow sealing (DPDK's, QEMU's, POSIX shm) is still mapped, and the log says
+    so (the C data path turns a fault there into GuestMemoryFault); an inflight area that cannot be sealed is
+    refused (it is also read from Python, where nothing catches a fault)."""
+    import errno
+    import logging
+    from rings.shm import ShmRegion
+    from tap.picture import MappedRegion
+    size = 0x20000
+    if sealable:
+        fd = os.memfd_create("peer-mem", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+    else:
+        shm = ShmRegion.create(size, prefix="vring-test-unsealable")
+        shm.unlink()
+        fd = os.dup(shm.fileno())
+        shm.close()
+    try:
+        region = vu.MemRegion(0x1000, size, 0x10000000)
+        with caplog.at_level(logging.DEBUG, logger="rings.shm"):
+            tap_region = MappedRegion(region, fd)
+            dev = _device(protocol_features=1 << vu.VhostUserProtocolFeature.INFLIGHT_SHMFD)
+            _handle(dev, R.SET_MEM_TABLE, vu.pack_mem_table([region]), [os.dup(fd)])
+            if sealable:
+                _handle(dev, R.SET_INFLIGHT_FD, vu.Inflight(0x10000, 0, 2, 256).pack(), [os.dup(fd)])
+            else:
+                with pytest.raises(Refused, match="not sealed against shrinking"):
+                    _handle(dev, R.SET_INFLIGHT_FD, vu.Inflight(0x10000, 0, 2, 256).pack(), [os.dup(fd)])
+        assert tap_region.sealed is sealable
+        assert len(dev.regions) == 1 and (dev.inflight is not None) is sealable
+        dev.close()
+        tap_region.mm.close()
+        assert _shrink_errno(fd) == (errno.EPERM if sealable else 0)
+        said = "sealed against shrinking" if sealable else "did not allow sealing"
+        assert sum(said in r.getMessage() for r in caplog.records) == 3, caplog.text   # tap, table, inflight
+    finally:
+        os.close(fd)
+
+
+def test_inflight_area_we_create_is_size_sealed():
+    import errno
+    from vhost.inflight import create_area
+    fd, size = create_area(2, 256, False)
+    try:
+        assert os.fstat(fd).st_size == size and _shrink_errno(fd) == errno.EPERM
+    finally:
+        os.close(fd)
+
+
+def test_vhost_survives_a_frontend_that_shrinks_its_memory_mid_traffic(tmp_path):
+    """A frontend truncated its (unsealable: POSIX shm) memory file while the rings ran: `vring vhost` died of
+    SIGBUS and left its socket. The C data path now catches the fault: one typed error line, the connection is
+    dropped, and the next frontend is served."""
+    from vhost.testing import ScriptedFrontend, VhostProcess, frame
+    sock = str(tmp_path / "vh.sock")
+    with VhostProcess(sock, "--fwd", "macswap", "--handshake-timeout", "5", verbose=True) as be:
+        be.wait_socket()
+        with ScriptedFrontend(sock) as fe:
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            fe.post_rx(64)
+            fe.send([frame(i) for i in range(16)])
+            be.wait_stderr("data path started")
+            os.ftruncate(fe.shm.fileno(), 0)   # every page the backend mapped is gone
+            os.eventfd_write(fe.kickfds[1], 1)
+            be.wait_stderr("GuestMemoryFault")
+        assert be.proc.poll() is None, be.stderr()[-2000:]
+        with ScriptedFrontend(sock) as fe:   # the next frontend is served
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            fe.post_rx(64)
+            sent = [frame(i) for i in range(8)]
+            fe.send(sent)
+            got = []
+            for _ in range(500):
+                got += fe.receive()
+                if len(got) == len(sent):
+                    break
+                import time
+                time.sleep(0.01)
+        final = be.stop()
+        log = be.stderr()
+    assert be.proc.returncode == 0, log[-2000:]
+    assert not os.path.exists(sock)
+    assert [len(data) - 12 for data, _ in got] == [len(f) for f in sent], log[-2000:]
+    faults = [line for line in log.splitlines() if "GuestMemoryFault" in line and "ERROR" in line]
+    assert len(faults) == 1 and "shrank under the rings" in faults[0], log[-2000:]
+    assert "Traceback" not in log
+    assert final["connections"] == 2 and final["ring_errors"] == 1, final

@@ -9,8 +9,9 @@ from rings._build import package_ffi  # noqa: E402
 
 FUNCTIONS = """
 int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns);
-int vh_dequeue(struct vh_net *n);
-int vh_txq_flush(struct vh_net *n);
+int vh_dequeue_guarded(struct vh_net *n);
+int vh_txq_flush_guarded(struct vh_net *n);
+int gf_install(void);
 uint32_t vh_discard(struct vh_net *n);
 int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f);
 void vhi_flush(struct vq_device *q, struct vh_inflight *f);

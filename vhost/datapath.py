@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rings._virtq import ffi as rings_ffi
-from rings.errors import ConfigError
+from rings.errors import ConfigError, GuestMemoryFault
 from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has)
 
 from ._net import ffi, lib
@@ -136,6 +136,8 @@ class Datapath:
 
     def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1, tracking=(None, None)):
         """``tracking``: the ``vhost.inflight.QueueTracking`` of each queue (INFLIGHT_SHMFD) or None."""
+        if lib.gf_install() != 0:   # once per process: SIGBUS in the guarded C entry points becomes an error
+            raise OSError(ffi.errno, "cannot install the SIGBUS handler of the data path")
         self.options = options
         self.rxq, self.txq = rxq, txq
         self.tracking = list(tracking)
@@ -190,6 +192,8 @@ class Datapath:
             broken = self._run_captured(budget_us)
         else:
             broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
+        if self.n.guest_fault:
+            raise self._fault()
         if broken != self._reported:
             return self._collect(broken)
         return {}
@@ -203,18 +207,30 @@ class Datapath:
         end = time.monotonic() + budget_us / 1e6
         while not n.broken and not w.full:
             first = int(n.npkts)
-            got = lib.vh_dequeue(n)
+            got = lib.vh_dequeue_guarded(n)
+            if n.guest_fault:
+                break
             frames = [bytes(self._pkt_data[i * size:i * size + int(self._pkt_len[i])])
                       for i in range(first, int(n.npkts))]
             now, dropped = time.time_ns(), int(n.st.rx_dropped)
             for f in frames:
                 w.write(f[6:12] + f[:6] + f[12:] if self.options.fwd == "macswap" and len(f) >= 12 else f, now)
-            lib.vh_txq_flush(n)
+            lib.vh_txq_flush_guarded(n)
+            if n.guest_fault:
+                break
             for f in frames[:len(frames) - (int(n.st.rx_dropped) - dropped)]:  # the Rx queue drops the tail
                 w.write(f, now)
             if got <= 0 or time.monotonic() >= end:
                 break
         return n.broken
+
+    def _fault(self):
+        """The C data path caught SIGBUS: the frontend's memory shrank under a ring. Both queues are taken out of
+        the loop (what the interrupted burst did is half done: nothing of theirs is touched again)."""
+        self.n.rxq = self.n.txq = ffi.NULL
+        self.n.npkts = 0
+        return GuestMemoryFault("the frontend's memory shrank under the rings (SIGBUS in the data path): it "
+                                "truncated a region's file after SET_MEM_TABLE", side="device")
 
     def step(self):
         """One poll iteration (tests)."""

@@ -23,7 +23,7 @@ from rings.errors import ConfigError, RingError, ShmError, VringError
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, QueueLayout, area_sizes, bit, feature_names, has)
-from rings.shm import MemoryTable, ShmRegion
+from rings.shm import MemoryTable, ShmRegion, seal_shrink
 from rings.virtq import CMemory, DeviceQueue
 
 from .datapath import Datapath, Options, add_stats
@@ -242,6 +242,8 @@ class NetDevice:
         mapped = []
         try:
             for i, (r, fd) in enumerate(zip(regions, fds)):
+                # sealed first, checked second: a size checked before the seal could still shrink afterwards
+                seal_shrink(fd, f"SET_MEM_TABLE region {i}")
                 try:
                     st = os.fstat(fd)
                 except OSError as e:

@@ -30,7 +30,7 @@ import os
 import numpy as np
 
 from rings.errors import ShmError, VringError
-from rings.shm import ShmRegion
+from rings.shm import ShmRegion, seal_shrink
 
 from ._net import ffi
 
@@ -56,10 +56,6 @@ assert HDR_SPLIT.itemsize == ffi.sizeof("struct vhi_region_split") == 16
 assert DESC_PACKED.itemsize == ffi.sizeof("struct vhi_desc_packed") == 32
 assert HDR_PACKED.itemsize == 29 and ffi.sizeof("struct vhi_region_packed") == 32
 
-
-#: the seals an area must carry: a mapping of a file that shrinks faults (SIGBUS) where it is touched, and the
-#: frontend keeps the fd; F_SEAL_SEAL so that nobody can take them off
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class InflightError(VringError):
@@ -96,19 +92,15 @@ def create_area(num_queues, queue_size, packed):
     if not 1 <= num_queues <= 256 or not 1 <= queue_size <= 32768:
         raise InflightError(f"GET_INFLIGHT_FD: {num_queues} queues of {queue_size} entries is out of range")
     size = num_queues * queue_region_size(packed, queue_size)
-    fd = os.memfd_create("vhost-inflight", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:   # size-sealed before the frontend gets it, so that it cannot shrink it under a later mapping of ours
+        shm = ShmRegion.create_sealed(size, name="vhost-inflight")
+    except ShmError as e:
+        raise InflightError(f"GET_INFLIGHT_FD: {e}") from None
     try:
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)   # see InflightArea: nobody can shrink it under a mapping
-        shm = ShmRegion.from_fd(os.dup(fd), size)
-        try:
-            _init_free_lists(shm.buf, packed, num_queues, queue_size)
-        finally:
-            shm.close()
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, size
+        _init_free_lists(shm.buf, packed, num_queues, queue_size)
+        return os.dup(shm.fileno()), size
+    finally:
+        shm.close()
 
 
 class InflightArea:
@@ -126,6 +118,7 @@ class InflightArea:
             raise InflightError(f"SET_INFLIGHT_FD: {mmap_size:#x} bytes cannot hold {num_queues} "
                                 f"{'packed' if packed else 'split'} regions of {self.step:#x} bytes")
         try:
+            seal_shrink(fd, "SET_INFLIGHT_FD area")
             st = os.fstat(fd)
         except OSError as e:
             os.close(fd)

@@ -22,7 +22,7 @@ import sys
 import time
 
 from rings import vhost_user as vu
-from rings.errors import PeerGone, ProtocolError, ProtocolTimeout, VringError
+from rings.errors import GuestMemoryFault, PeerGone, ProtocolError, ProtocolTimeout, VringError
 
 from .datapath import Options, add_stats, split_stats
 from .device import NetDevice, Refused, Reply
@@ -238,7 +238,13 @@ class Server:
         waits = [sock] if self.listener is None else [sock, self.listener]
         kick = None
         if dev.datapath is not None and not dev.datapath.idle:
-            errors = dev.run(self.budget_us)
+            try:
+                errors = dev.run(self.budget_us)
+            except GuestMemoryFault as e:
+                self.ring_errors += 1
+                log.error("dropping the frontend: %s: %s [%s]", type(e).__name__, e, e.spec)
+                self._drop(f"{type(e).__name__}: {e}")
+                return
             self.ring_errors += len(errors)
             timeout = 0
             kick = dev.sleep_fd()

@@ -1,4 +1,4 @@
-"""The virtio-net driver side (frontend): guest memory and buffer pool in POSIX shared memory, Tx/Rx bursts
+"""The virtio-net driver side (frontend): guest memory and buffer pool in a size-sealed memfd, Tx/Rx bursts
 over the ring engines of ``rings/`` (C hot paths in ``csrc/vnet.h``, cffi module ``virtio._net``), and the
 vhost-user frontend that hands the memory and rings to a backend (DPDK net_vhost or ours).
 

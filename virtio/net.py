@@ -47,10 +47,10 @@ def _recast(cptr, ctype):
 
 
 class GuestMemory:
-    """One POSIX shared-memory region holding both rings, the Tx header area, indirect tables and the pool."""
+    """One size-sealed memfd holding both rings, the Tx header area, indirect tables and the pool. The backend
+    gets its fd writable but can neither shrink it under our mapping (SIGBUS) nor unseal it."""
 
-    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=128, indirect_max=8, gpa_base=GPA_BASE,
-                 keep_name=False):
+    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=128, indirect_max=8, gpa_base=GPA_BASE):
         ring = align_up(QueueLayout.bytes_needed(fmt, size), PAGE)
         off = 0
         self.rx_off, off = off, off + ring
@@ -61,12 +61,8 @@ class GuestMemory:
         self.size = align_up(off, PAGE)
         self.gpa = gpa_base
         self.indirect_max = indirect_max
-        self.region = ShmRegion.create(self.size, prefix="vring-drv")
-        self.name = self.region.name
-        if not keep_name:
-            # the backend maps the fd we pass, never the name: unlink it now, so that nothing is left in
-            # /dev/shm even if this process is killed (the memory lives while a mapping or fd does)
-            self.region.unlink()
+        # the backend maps the fd we pass: a memfd has no name to leave in /dev/shm, even if we are killed
+        self.region = ShmRegion.create_sealed(self.size, name="vring-drv")
         self.table = MemoryTable([(gpa_base, self.size, self.region.buf)])
         self.rx_layout = QueueLayout.contiguous(fmt, size, gpa_base + self.rx_off)
         self.tx_layout = QueueLayout.contiguous(fmt, size, gpa_base + self.tx_off)

@@ -33,8 +33,8 @@ device, and the loss check is made from both sides' final counters::
     ok        = injected == in flight + lost          (open loop: injected = offered, and driver Rx is terminal)
 
 Every process is started with ``Popen`` in its own session and stopped through that object (SIGINT / testpmd
-``quit``, then SIGKILL); the temporary directory (socket, logs) is removed, and the driver's shared-memory
-segments (``/dev/shm/vring-drv-<pid>-*``) are removed if the driver died before unlinking them; on Ctrl-C too.
+``quit``, then SIGKILL); the temporary directory (socket, logs) is removed, on Ctrl-C too. (The driver's guest
+memory is an anonymous memfd: nothing of it outlives the processes.)
 
 Points are measured side by side (pairs, modes and variants of one path and repeat one after the other, their
 order reversed every other repeat), so that ratios of figures from the same repeat share the same noise.
@@ -457,19 +457,6 @@ class _Proc:
                 pass
 
 
-def _remove_driver_shm(pid):
-    """Shared-memory segments our driver process ``pid`` created (rings.shm names them /vring-drv-PID-*).
-    Only called once that process has exited: normally it unlinked them itself and there is nothing to do."""
-    removed = []
-    for path in glob.glob(f"/dev/shm/vring-drv-{int(pid)}-*"):
-        try:
-            os.unlink(path)
-            removed.append(os.path.basename(path))
-        except OSError:
-            pass
-    return removed
-
-
 def _block_signals():
     try:
         return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
@@ -497,7 +484,6 @@ class Measurement:
         self.workdir = self.sock = None
         self.procs: list[_Proc] = []
         self.testpmds = []
-        self.driver_pids = []
         self.samples: list[tuple[float, int]] = []   # (time, packets dequeued by the device)
         self.cpu: list[tuple] = []                  # (bench time, device CPU s, driver CPU s, /proc/stat times)
         self.idle = None                            # the idle interval's CPU samples, or why there is none
@@ -568,7 +554,6 @@ class Measurement:
             argv += [str(a) for a in self.point.driver_args]
             self.driver = _Proc("driver", argv, self.workdir)
             self.procs.append(self.driver)
-            self.driver_pids.append(self.driver.pid)
         else:
             from vring import dpdk
             if self.notify:
@@ -754,10 +739,6 @@ class Measurement:
                 tp.close(timeout=5.0)
             except Exception:
                 tp.kill()
-        for pid in self.driver_pids:
-            removed = _remove_driver_shm(pid)
-            if removed:
-                self.notes.append(f"removed shared memory left by the driver: {', '.join(removed)}")
         if self.workdir is None:
             return
         if self.cfg.keep:

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "virtq.h"
+#include "guest_fault.h"
 #include "vhost_net_types.h"
 #include "vhost_inflight.h"
 
@@ -546,9 +547,8 @@ static inline int vh_idle(struct vh_net *n, int got)
     return 1;
 }
 
-/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well). Not inlined: one
- * call per time slice, and a symbol profilers can count from (benchmarks/loop_profile.py). */
-static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
+/* The poll loop of vh_run (apart from it: the function that calls sigsetjmp is compiled conservatively). */
+static __attribute__((noinline)) int vh_run_slice(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
 {
     uint64_t start = vh_now_ns();
     n->sleep = 0;
@@ -591,6 +591,37 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
             break;
     }
     return n->broken;
+}
+
+/* The entry points Python calls, guarded against guest-memory faults (guest_fault.h): on SIGBUS they set
+ * n->guest_fault and return GF_FAULT, and the caller drops the connection without touching its queues again. */
+#define VH_GUARDED(call)                    \
+    sigjmp_buf env;                         \
+    if (sigsetjmp(env, 0)) {                \
+        n->guest_fault = 1;                 \
+        return gf_caught();                 \
+    }                                       \
+    gf_arm(&env);                           \
+    int r = (call);                         \
+    gf_disarm();                            \
+    return r
+
+/* Run up to max_iters poll iterations or about budget_ns. Returns n->broken (0: all well), or GF_FAULT. Not
+ * inlined: one call per time slice, and a symbol profilers can count from (benchmarks/loop_profile.py). */
+static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
+{
+    VH_GUARDED(vh_run_slice(n, max_iters, budget_ns));
+}
+
+/* --pcap: one dequeue burst, then one flush, each called from Python */
+static int vh_dequeue_guarded(struct vh_net *n)
+{
+    VH_GUARDED(vh_dequeue(n));
+}
+
+static int vh_txq_flush_guarded(struct vh_net *n)
+{
+    VH_GUARDED(vh_txq_flush(n));
 }
 
 /* Drop whatever waits in the intermediate queue (when the device stops). */

@@ -111,6 +111,8 @@ struct vh_net {
     uint32_t tx_unflushed;               /* Tx completions pushed, not yet published */
     uint32_t timing;                     /* measure busy_ns (two clock reads per iteration) */
     int32_t broken;                      /* bit 0: Rx queue broke, bit 1: Tx queue broke (see vq_device.error) */
+    uint32_t guest_fault;                /* set by a guarded entry point: the frontend's memory vanished (SIGBUS)
+                                            under it; nothing in this struct's queues may be touched again */
     uint32_t idle_polls;                 /* --idle sleep: empty polls before kicks are enabled (0: always poll) */
     uint32_t empty;                      /* consecutive empty polls */
     uint32_t kicks_on;                   /* kicks enabled on vring 1 (the loop is about to sleep, or woke up) */
