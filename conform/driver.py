@@ -186,7 +186,7 @@ class Vq:
         self.held: dict[int, Held] = {}
         self.order: deque[int] = deque()     # polled ids, in poll order
         self.gen = 0                         # flushes so far
-        self.wrote_gen = np.zeros(self.size, np.int64)   # packed: the flush that last wrote each slot
+        self.wrote_gen = np.zeros(self.size, np.int64)   # packed: the flush that last gave each slot back
         self.next_head = 0 if self.fresh else None       # split in-order: the head expected next (INORDER-03)
         self.kicks = 0
         self.low_bit = False                 # kicks phase, EVENT_IDX: bit 0 of used flags set on purpose (EVT-13)
@@ -406,7 +406,7 @@ class Session:
         """A completed chain must still be what the driver published (and its readable bytes too)."""
         r = self.r
         now = q.view.raw(hd.chain)
-        if q.packed:   # leave out slots we overwrote with used descriptors since the chain was polled
+        if q.packed:   # leave out slots used entries gave back to the driver since the chain was polled
             keep = [k for k, s in enumerate(hd.chain.slots) if q.wrote_gen[s] <= hd.gen]
             a = b"".join(hd.raw[16 * k:16 * k + 16] for k in keep) + hd.raw[16 * hd.chain.ndesc:]
             b = b"".join(now[16 * k:16 * k + 16] for k in keep) + now[16 * hd.chain.ndesc:]
@@ -436,20 +436,17 @@ class Session:
             self._reread(q, q.held[i], "buffer")
         c = q.dq.c
         c.batch = int(bool(batch and self.in_order))
-        if q.packed:   # the slots the flush will write: batch by batch from the used position
-            pos, k = int(c.used_idx), 0
-            while k < len(ids):
-                j = k
-                while c.batch and j + 1 < len(ids) and lens[j] == q.held[ids[j]].wlen:
-                    j += 1
-                q.wrote_gen[pos] = q.gen + 1
-                pos = (pos + sum(q.held[x].ndesc for x in ids[k:j + 1])) % q.size
-                k = j + 1
+        before = int(c.used_idx) + q.size * int(c.used_wrap)
         try:
             q.dq.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
         except VringError as e:
             raise SessionEnded(f"harness: {e}") from None
         q.dq.flush()
+        if q.packed:   # the slots given back: a used entry covers as many slots as its buffers had descriptors,
+            # from the used position, whichever buffers were published there (the driver may write new
+            # descriptors in them while other buffers published there are still held)
+            covered = (int(c.used_idx) + q.size * int(c.used_wrap) - before) % (2 * q.size)
+            q.wrote_gen[(before + np.arange(covered)) % q.size] = q.gen + 1
         q.gen += 1
         for i in ids:
             del q.held[i]

@@ -6,7 +6,8 @@
   traffic (population 0), so `vring conform device` checks its Tx side only.
 * ``FaultyDriver``: a forwarding frontend (vhost.testing.ScriptedFrontend) whose Tx queue breaks a driver
   rule: ``reoffer`` (a head that is in flight is put in the avail ring again, in the same publication) or
-  ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it).
+  ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it;
+  split or packed rings).
 * ``LoopDevice``: a small looping backend in Python (split rings, VERSION_1, IN_ORDER, MRG_RXBUF offered) for the
   device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
   ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
@@ -24,7 +25,7 @@ import numpy as np
 
 from conform import frames
 from conform.driver import OFFERED_PROTOCOL, RX, TX, DriverHarness, DriverOptions, Session
-from conform.ringview import SplitView
+from conform.ringview import PackedView, SplitView
 from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
@@ -73,14 +74,36 @@ class _DoubleSession(Session):
         q.take_device_shadow()
 
 
+class PatientSession(Session):
+    """A correct (only slow) device: after each packed Tx used entry it waits up to 50 ms for the driver to fill
+    the slots the entry gave back before it writes the next one. With the ring full and Tx buffers completed out
+    of order, the driver then writes new descriptors over slots of buffers the device still holds, as it may:
+    a used entry gives back as many slots as its buffer had descriptors, whichever buffers were published there."""
+
+    def flush(self, q, ids, lens, batch):
+        start = int(q.dq.c.used_idx)
+        super().flush(q, ids, lens, batch)
+        if q.index != TX or not q.packed:
+            return
+        back = {(start + k) % q.size for k in range((int(q.dq.c.used_idx) - start) % q.size)}
+        # held buffers with slots just given back: counted on the harness (the sessions are not kept)
+        self.h.overlaps += sum(1 for h in q.held.values() if back & set(h.chain.slots))
+        deadline = time.monotonic() + 0.05
+        while not q.avail_pending() and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+
 class FaultyDevice:
-    """A backend listening on ``sock`` (in a thread) that completes Tx buffers with ``fault``."""
+    """A backend listening on ``sock`` (in a thread) that completes Tx buffers with ``fault`` (``patient``:
+    correctly, see PatientSession; ``phases`` and ``population`` as ``conform driver``'s)."""
 
-    SESSIONS = {"reorder": _ReorderSession, "double": _DoubleSession}
+    SESSIONS = {"reorder": _ReorderSession, "double": _DoubleSession, "patient": PatientSession}
 
-    def __init__(self, sock, fault):
-        harness = DriverHarness(DriverOptions(socket=sock, seconds=60, wait=20, population=0, phases=("batches",)))
+    def __init__(self, sock, fault, phases=("batches",), population=0, seconds=60):
+        harness = DriverHarness(DriverOptions(socket=sock, seconds=seconds, wait=20, population=population,
+                                              phases=phases))
         harness.session_class = self.SESSIONS[fault]
+        harness.overlaps = 0   # PatientSession
         self.harness = harness
         self.error = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -99,10 +122,10 @@ class FaultyDevice:
 
 class FaultyDriver:
     """A frontend that forwards every frame it receives, connecting to ``sock`` (in a thread), with ``fault``
-    on its Tx queue (split rings, 64 entries, no MRG_RXBUF)."""
+    on its Tx queue (split rings unless ``packed`` (``late-write`` only), 64 entries, no MRG_RXBUF)."""
 
-    def __init__(self, sock, fault, in_order=True, seconds=15):
-        self.sock, self.fault, self.in_order, self.seconds = sock, fault, in_order, seconds
+    def __init__(self, sock, fault, in_order=True, seconds=15, packed=False):
+        self.sock, self.fault, self.in_order, self.seconds, self.packed = sock, fault, in_order, seconds, packed
         self.error = None
         self.faults = 0
         self.stop = threading.Event()
@@ -118,7 +141,8 @@ class FaultyDriver:
             self.error = e
 
     def _loop(self):
-        fe = ScriptedFrontend(self.sock, packed=False, in_order=self.in_order, mrg_rxbuf=False, queue_size=64)
+        fe = ScriptedFrontend(self.sock, packed=self.packed, in_order=self.in_order, mrg_rxbuf=False,
+                              queue_size=64)
         try:
             deadline = time.monotonic() + 10
             while True:
@@ -170,9 +194,13 @@ class FaultyDriver:
 
     def _late_write(self, fe):
         """Change the length of the descriptor just published, once the device has had time to read it."""
+        slot = (int(fe.txq.c.next_avail) - 1) % fe.size   # packed: the last descriptor published (one a frame)
         time.sleep(0.003)
-        v = SplitView(fe.mem, fe.layouts[1])
-        v.desc[v.avail_ring(v.avail_idx - 1)]["len"] -= 1
+        if self.packed:
+            PackedView(fe.mem, fe.layouts[1]).desc[slot]["len"] ^= 1
+        else:
+            v = SplitView(fe.mem, fe.layouts[1])
+            v.desc[v.avail_ring(v.avail_idx - 1)]["len"] -= 1
         self.faults += 1
 
     def join(self, timeout=30):
