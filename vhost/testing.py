@@ -304,8 +304,10 @@ class VhostProcess:
             time.sleep(0.05)
 
     def _read(self, f):
-        f.seek(0)
-        return f.read().decode("utf-8", "replace")
+        # pread: the child writes through the same open file description, and a seek here would move its
+        # write offset (stats lines written over each other while it runs)
+        fd = f.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode("utf-8", "replace")
 
     def stdout(self):
         return self._read(self._stdout)

@@ -132,9 +132,13 @@ def _wait_connections(be, n, timeout=20.0):
     test nothing); False if they do not within ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        lines = _stats_lines(be)
-        if lines and lines[-1].get("connections", 0) >= n:
-            return True
+        for line in reversed(be.stdout().splitlines()):   # read while it writes: the last line may be partial
+            try:
+                if json.loads(line).get("connections", 0) >= n:
+                    return True
+                break
+            except ValueError:
+                continue
         time.sleep(0.05)
     return False
 
