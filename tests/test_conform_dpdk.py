@@ -12,8 +12,17 @@ them, is noticed:
   (INORDER-06/09/10); with packed rings it waits forever at the first skipped slot (INORDER-11/12);
 * virtio_user packed: indirect entries preset with WRITE (PACKED-D-10), ids written into the ring at setup
   (PACKED-L-05).
+
+Not a checklist deviation but a drop the tests account for: virtio_user's split in-order Tx now and then drops a
+merged (multi-segment) frame when the Tx ring is nearly full (the `ring-full` phase, more often under load),
+although used descriptors it could reclaim make room (the harness never delivers more than the ring holds).
+``virtio_xmit_pkts_inorder`` calls ``virtio_xmit_try_cleanup_inorder(vq, slots)``, which returns ``slots`` minus
+what this cleanup freed: descriptors that were free already do not count, the packet is not sent. testpmd counts
+it as TX-dropped; the harness, which cannot see that, reports a frame that never came back (NET-32 for a merged
+frame). Such rows are accepted for no more frames than testpmd says it dropped.
 """
 import os
+import re
 
 import pytest
 
@@ -72,9 +81,25 @@ def run_against_virtio_user(tmp_path, harness_args, packed=False, in_order=True,
         if harness.poll() is None:
             harness.kill()
             harness.communicate()
-        tp.close()
+        final = tp.close()
     assert rep is not None, err
-    return rc, rep
+    fwd = final.fwd.get(0)
+    assert fwd is not None, "no forward counters from testpmd"
+    return rc, rep, fwd.tx_dropped + fwd.rx_dropped
+
+
+def lost_frames(rep):
+    return int(re.search(r" (\d+) lost", rep["context"]["traffic"]).group(1))
+
+
+def failed_but_dropped(rep, dropped):
+    """failed(rep) without the rows that only report frames that never came back, when testpmd's forward counters
+    account for every one of them (see the module doc: in-order Tx drops a merged frame now and then)."""
+    f = failed(rep)
+    gone = {rid for rid, ev in f.items() if ev and all("never came back" in e for e in ev)}
+    frames = {m for rid in gone for e in f[rid] for m in re.findall(r"frame (\d+) ", e)}
+    assert lost_frames(rep) <= dropped and len(frames) <= dropped, (rep["context"]["traffic"], dropped, f)
+    return {rid: ev for rid, ev in f.items() if rid not in gone}
 
 
 NO_BATCHES = ["--phases", "per-buffer,kicks,ring-full,late,spurious-calls"]
@@ -84,11 +109,12 @@ NO_BATCHES = ["--phases", "per-buffer,kicks,ring-full,late,spurious-calls"]
 def test_conform_driver_against_dpdk_virtio_user(tmp_path, packed):
     """Every device behaviour but in-order batches: the only deviations are the Tx num_buffers (and, packed,
     the ids in the ring at setup). Packed without INDIRECT_DESC (see the next test)."""
-    rc, rep = run_against_virtio_user(tmp_path, NO_BATCHES + (["--no-indirect"] if packed else []), packed=packed)
-    f = failed(rep)
+    rc, rep, dropped = run_against_virtio_user(tmp_path, NO_BATCHES + (["--no-indirect"] if packed else []),
+                                               packed=packed)
+    f = failed_but_dropped(rep, dropped)
     assert set(f) == ({"NET-06", "PACKED-L-05"} if packed else {"NET-06"}), f
     assert "sent back unchanged" in f["NET-06"][0]
-    assert rep["error"] is None and " 0 lost" in rep["context"]["traffic"], rep["context"]
+    assert rep["error"] is None, rep["context"]
     r = rows(rep)
     for rid in (["PACKED-D-03", "PACKED-D-04", "PACKED-D-14", "EVT-24"] if packed else
                 ["SPLIT-D-13", "SPLIT-D-14", "INORDER-03", "EVT-12", "EVT-11"]):
@@ -98,7 +124,7 @@ def test_conform_driver_against_dpdk_virtio_user(tmp_path, packed):
 def test_conform_driver_inorder_09_dpdk_reads_skipped_used_slots(tmp_path):
     """One used entry for a batch of Rx buffers: virtio_user takes a length from every used slot, so frames
     come back cut or stretched (split, in-order)."""
-    rc, rep = run_against_virtio_user(tmp_path, ["--phases", "batches"], mrg=False)
+    rc, rep, _dropped = run_against_virtio_user(tmp_path, ["--phases", "batches"], mrg=False)
     f = failed(rep)
     assert rc == 1 and {"INORDER-06", "INORDER-09", "INORDER-10"} <= set(f), f
     assert set(f) <= {"NET-06", "INORDER-06", "INORDER-09", "INORDER-10", "SPLIT-D-15"}, f
@@ -108,7 +134,7 @@ def test_conform_driver_inorder_09_dpdk_reads_skipped_used_slots(tmp_path):
 def test_conform_driver_packed_d_10_dpdk_indirect_header_writable(tmp_path):
     """virtio_user presets packed indirect entries with WRITE; the header entry keeps it: writable before
     readable in a Tx buffer. The harness, a strict device, stops the data path there."""
-    rc, rep = run_against_virtio_user(tmp_path, ["--phases", "per-buffer"], packed=True)
+    rc, rep, _dropped = run_against_virtio_user(tmp_path, ["--phases", "per-buffer"], packed=True)
     f = failed(rep)
     assert rc == 1 and "PACKED-D-10" in f and "WritableBeforeReadable" in f["PACKED-D-10"][0], f
     assert "broke the ring" in rep["error"]
