@@ -145,6 +145,19 @@ def test_driver_bad_argument_is_one_line_exit_2(tmp_path, args):
     assert p.stderr.strip().count("\n") == 0 and args[0] in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("args", [["--reconnect", "-1"], ["--stats-interval", "-1"], ["--pcap-count", "-1"],
+                                  ["--slice-us", "0"], ["--handshake-timeout", "nan"], ["--pin", "-1"]])
+def test_vhost_bad_argument_is_one_line_exit_2(tmp_path, args):
+    """Checked before anything is created (no socket, no capture file): one line, exit 2, no traceback."""
+    sock = tmp_path / "vh.sock"
+    p = subprocess.run([sys.executable, "-m", "vring.cli", "vhost", "--socket", str(sock),
+                        "--pcap", str(tmp_path / "x.pcap"), *args],
+                       capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and args[0] in p.stderr, p.stderr
+    assert not sock.exists() and (args[0] == "--pin" or not (tmp_path / "x.pcap").exists())
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
     """A closed terminal (SIGHUP) stops `vring vhost` like Ctrl-C and SIGTERM: exit 0, its socket file removed

@@ -70,6 +70,15 @@ def run(args):
 
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose + 1, 2), stream=sys.stderr,
                         format="%(asctime)s vhost %(levelname)s %(message)s")
+    import math
+    for name, value, positive in (("--handshake-timeout", args.handshake_timeout, True),
+                                  ("--reconnect", args.reconnect, True),
+                                  ("--stats-interval", args.stats_interval, False),
+                                  ("--pcap-count", args.pcap_count, False), ("--retries", args.retries, False),
+                                  ("--idle-polls", args.idle_polls, False), ("--slice-us", args.slice_us, True),
+                                  ("--crash-after", args.crash_after, False)):
+        if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            return _error(f"{name} must be a number {'>' if positive else '>='} 0, not {value}")
     pcap = None
     try:
         if args.pcap:
@@ -86,9 +95,7 @@ def run(args):
         try:
             os.sched_setaffinity(0, {args.pin})
         except (OSError, ValueError) as e:   # ValueError: a negative CPU number
-            return _error(f"cannot pin to CPU {args.pin}: {e}")
-    if args.handshake_timeout <= 0:
-        return _error("--handshake-timeout must be > 0")
+            return _error(f"--pin {args.pin}: cannot pin to that CPU: {e}")
     error = snapshot_options.apply(args)
     if error:
         return _error(error)
