@@ -152,7 +152,7 @@ def test_ctrl_c_stops_and_cleans_everything(tmp_path):
         children = _processes_mentioning(str(tmp_path))
         assert len(children) >= 2, "the benchmark's device and driver should be running"
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=90)   # a guard against a hang, not a timing (loaded CI machines)
         assert proc.returncode == 130, err
         assert b"interrupted" in err
         res = json.loads(out.read_text())   # what was measured so far (nothing here), flagged as interrupted

@@ -46,9 +46,10 @@ def test_virtio_user_loops_through_vring_vhost(tmp_path, packed, in_order, mrg_r
     assert ours is not None, log[-3000:]
     assert mid.rx_packets - first.rx_packets > 10_000, "packets did not loop\n" + info
     rxq, txq = ours["rxq0"], ours["txq1"]
-    # everything testpmd sent we dequeued; everything we dequeued went back (none dropped)
-    assert txq["tx_packets"] == port.tx_packets, info
-    assert txq["tx_bytes"] == port.tx_bytes, info
+    # everything testpmd sent we dequeued, but for its last burst when the queues were disabled (SET_VRING_ENABLE 0
+    # stops our data path at once, as DPDK's vhost does); everything we dequeued went back (none dropped)
+    left = port.tx_packets - txq["tx_packets"]
+    assert 0 <= left <= 32 and port.tx_bytes - txq["tx_bytes"] == 64 * left, info
     assert rxq["rx_packets"] == txq["tx_packets"] and rxq["rx_dropped"] == 0, info
     # testpmd received all of it but what was still in its Rx ring when it stopped (one burst in flight)
     assert 0 <= rxq["rx_packets"] - port.rx_packets <= 32, info
