@@ -143,7 +143,10 @@ def test_ctrl_c_stops_and_cleans_everything(tmp_path):
     out = tmp_path / "partial.json"
     proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "bench", "--paths", "split-normal,packed-normal",
                              "--seconds", "60", "--json", str(out)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            # Ctrl-C as a terminal sends it: a test run started in the background inherits SIGINT
+                            # ignored (POSIX shells do that for asynchronous commands), and so would the bench
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not glob.glob(str(tmp_path / "vring-bench-*" / "driver.out")):

@@ -155,11 +155,13 @@ def _kill9(be):
 
 def _cleanup(drv, be, tmp):
     """End what is still running (the driver killed, the backend stopped) and remove the run's directory."""
-    if drv is not None and drv.proc.poll() is None:
-        drv.kill()
-    if be.proc.poll() is None:
-        _end(be)
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if drv is not None and drv.proc.poll() is None:
+            drv.kill()
+        if be.proc.poll() is None:
+            _end(be)
+    finally:   # the run's directory goes whatever the processes did
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _end(be):
