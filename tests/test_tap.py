@@ -8,6 +8,7 @@ even when a test fails.
 """
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -254,7 +255,14 @@ def test_tap_between_our_driver_and_backend(procs, tmp_path, capsys):
     tap.send_signal(signal.SIGTERM)
     _, err = tap.communicate(timeout=20)
     assert tap.returncode == 0 and not os.path.exists(a) and not os.path.exists(tctl)
-    assert f"pcap {pcap}: 64 frames (limit 64" in err
+    # the capture is a bystander's (tap/capture.py): it may fall behind a peer as fast as ours, and says so; the
+    # capture itself is tested step by step in test_tap_capture.py. Here: the limit holds, and 800 frames crossed,
+    # so what was not captured is counted
+    m = re.search(rf"pcap {re.escape(str(pcap))}: (\d+) frames \(limit 64, (\d+) more seen and left out\); "
+                  r"not captured: lapped (\d+), lost (\d+), unreadable (\d+), not seen published (\d+)", err)
+    assert m, err
+    captured, _, *missed = map(int, m.groups())
+    assert captured <= 64 and (captured == 64 or sum(missed) > 0), err
     lines = [json.loads(x) for x in open(log)]
     requests = [x["request"] for x in lines if x.get("dir") == "F>B"]
     for name in ("SET_OWNER", "GET_FEATURES", "SET_FEATURES", "SET_MEM_TABLE", "SET_VRING_NUM", "SET_VRING_ADDR",
@@ -262,10 +270,10 @@ def test_tap_between_our_driver_and_backend(procs, tmp_path, capsys):
         assert requests.count(name) >= 2 if "VRING" not in name else requests.count(name) >= 4, name
     assert [x["event"] for x in lines if "event" in x] == ["connected", "disconnected"] * 2
     got = frames(pcap)
-    assert len(got) == 64
+    assert len(got) == captured
     assert all(len(buf) == 64 and dpkt.ethernet.Ethernet(buf).type == dpkt.ethernet.ETH_TYPE_IP for _, buf in got)
     if TSHARK:
-        assert tshark_count(pcap) == ["0x0800"] * 64
+        assert tshark_count(pcap) == ["0x0800"] * captured
     assert decode_file(log, open(os.devnull, "w")) == 0
 
 
