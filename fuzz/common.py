@@ -106,3 +106,14 @@ class GuestMemory:
 def open_fds():
     """This process's open file descriptors (a target that leaks one per input would run out)."""
     return len(os.listdir("/proc/self/fd"))
+
+
+class SnapshotOnce:
+    """A harness's snapshot(): the queue's decoded snapshot, at most once per input (a decode lists every chain
+    with its slots; one per input keeps the exec rate while still reaching the decoder on every ring state)."""
+    snapshotted = False
+
+    def snapshot(self):
+        if not self.snapshotted:
+            self.snapshotted = True
+            self.q.snapshot()

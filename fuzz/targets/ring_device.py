@@ -12,7 +12,7 @@ Expected: typed RingErrors (the queue is then broken: every later call raises th
 UsageErrors for calls this harness makes out of contract. A finding: any other exception, a sanitizer report,
 or a device state outside the ring (checked after every call).
 """
-from common import GuestMemory, Reader, Writer
+from common import GuestMemory, Reader, SnapshotOnce, Writer
 from rings import virtq
 from rings.errors import RingError, UsageError
 from rings.layout import (VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED,
@@ -58,7 +58,7 @@ def flags(r, wrap, packed):
     return out
 
 
-class Harness:
+class Harness(SnapshotOnce):
     def __init__(self, r):
         cfg = r.u8()
         self.packed = bool(cfg & 1)
@@ -76,7 +76,6 @@ class Harness:
         self.wrap = 1      # the driver's idea of the lap (packed), for well-formed flags
         self.avail_idx = 0
         self.start_at_base = bool(cfg >> 7)
-        self.snapshots = 0
 
     def base(self, r):
         k = r.u8() % 4
@@ -163,13 +162,6 @@ class Harness:
             lens = [r.pick(w, 0, w // 2, r.u32) for _, w in chosen]
         self.call(self.q.push_used, ids, lens)
         self.polled = [p for p in self.polled if self.q.id_inflight[p[0]] == 1]   # still waiting for a push
-
-    def snapshot(self):
-        """One decoded snapshot per input at most: decoding a hostile ring lists every chain with all its slots,
-        which is quadratic in the ring size (rings/snapshot.py: 25 ms at 256 entries, without sanitizers)."""
-        if not self.snapshots:
-            self.snapshots += 1
-            self.q.snapshot()
 
     def run(self, r):
         ops = {"desc": self.write_desc, "table": self.write_table, "publish": self.publish, "raw": self.raw,
