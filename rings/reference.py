@@ -214,7 +214,8 @@ class DriverQueue(_Queue):
         self.kick_added = 0   # buffers (split) / descriptors (packed) since the last kick_prepare
         self.id_token = [0] * n
         self.free_next = list(range(1, n + 1))  # normal variants (split: descriptors, packed: ids)
-        self.free_head = 0
+        self.free_head = 0    # a FIFO: taken at the head, given back at the tail (reused in ring order)
+        self.free_tail = n - 1
         self.next_desc = 0    # split IN_ORDER: head of the next buffer (INORDER-03)
         self.unpublished = 0  # split: buffers added since the last publish
         self.head_flags = None  # packed: (slot, flags) of the first descriptor since the last publish
@@ -459,21 +460,27 @@ class DriverQueue(_Queue):
         for k, id in enumerate(batch):
             tokens.append(self.id_token[id])
             lens.append(length if k == len(batch) - 1 else self.id_wlen[id])
+            self._release(id)   # before num_free counts it (_append_free)
             self.num_free += self.id_ndesc[id]
             self.id_inflight[id] = 0
-            self._release(id)
 
     def _release_split(self, head):
-        """The chain goes back to the head of the free list; its descriptors are still linked there."""
+        """The chain goes back to the tail of the free list; its descriptors are still linked there."""
         tail = head
         for _ in range(self.id_ndesc[head] - 1):
             tail = self.free_next[tail]
-        self.free_next[tail] = self.free_head
-        self.free_head = head
+        self._append_free(head, tail)
 
     def _release_packed(self, id):
-        self.free_next[id] = self.free_head
-        self.free_head = id
+        self._append_free(id, id, all(self.id_inflight))   # ids: one per buffer in flight
+
+    def _append_free(self, head, tail, empty=None):
+        """Called before the buffer is counted free: an empty list starts again at head."""
+        if self.num_free == 0 if empty is None else empty:
+            self.free_head = head
+        else:
+            self.free_next[self.free_tail] = head
+        self.free_tail = tail
 
     def _release_in_order(self, id):
         """Nothing to do: IN_ORDER buffers come back in ring order, so num_free says what is free."""

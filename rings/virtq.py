@@ -147,7 +147,7 @@ class DriverQueue(_Queue):
     """The driver half of one virtqueue (the C path)."""
 
     side = "driver"
-    _state_fields = ("next_avail", "avail_wrap", "last_used", "used_wrap", "num_free", "free_head",
+    _state_fields = ("next_avail", "avail_wrap", "last_used", "used_wrap", "num_free", "free_head", "free_tail",
                      "next_desc", "oldest", "inflight", "kick_added", "pending")
 
     def __init__(self, mem, layout, features, indirect=None):
@@ -156,6 +156,7 @@ class DriverQueue(_Queue):
         if not layout.packed:
             c.used.flags = 0  # EVT-10: the driver initialises the used ring's flags
         c.num_free = n
+        c.free_tail = max(n - 1, 0)   # the free list runs 0, 1, ... n-1 (a FIFO: vq_drv_free_append)
         self.free_next = (np.arange(1, n + 1) % max(n, 1)).astype(np.uint16)
         self.id_token = np.zeros(n, np.uint64)
         c.free_next = _ptr("uint16_t *", self.free_next)
@@ -265,6 +266,7 @@ class DriverQueue(_Queue):
         for name in self._reset_fields:
             setattr(c, name, 0)
         c.num_free = n
+        c.free_tail = max(n - 1, 0)
         c.avail_wrap = c.used_wrap = 1 if self.layout.packed else 0
         self.free_next[:] = np.arange(1, n + 1) % max(n, 1)
         for arr in (self.id_ndesc, self.id_wlen, self.id_token, self.id_inflight):

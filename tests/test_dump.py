@@ -618,7 +618,7 @@ def test_cli_shm_attaches_read_only(shm_region, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "packed memory queue, size 8, normal" in out
     assert "inferred from memory: next_avail=1 avail_wrap=0" in out
-    assert "      6     0 unknown 6->7->0: available, or skipped by the used descriptor at slot 5" in out
+    assert "      6     6 unknown 6->7->0: available, or skipped by the used descriptor at slot 5" in out
     assert "unknown: device: last_avail" in out
     assert bytes(q.mem.view(BASE, MEMSIZE)) == before
     assert rawdump.load(tmp_path / "m.raw").snapshot() == q.mem_snap()

@@ -508,12 +508,11 @@ class _Loop:
         re-checked and the call eventfd waited on (RxQueue.wait, woken early by a signal or the backend
         leaving)."""
         rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
-        p_idx, p_lens, loop = self.p_idx, self.p_lens, lib.vn_fwd_loop
+        p_idx, p_lens, loop, idle = self.p_idx, self.p_lens, lib.vn_fwd_until_idle, ffi.new("int32_t *")
         while not self._done(deadline):
-            n = loop(rx, tx, p_idx, p_lens, b, spin, 1)
-            if n < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle) < 0:
                 self._raise()
-            if n == 0 and self._idle(deadline):
+            if idle[0] and self._idle(deadline):
                 break
 
     def _run_rate(self, deadline):

@@ -408,6 +408,21 @@ static inline int vq_drv_kick_prepare(struct vq_driver *q)
     return need;
 }
 
+/* The free list is a FIFO: freed descriptors (split) or ids (packed) join at the tail and are taken from the head,
+ * so that in steady state they are reused in ring order, as IN_ORDER would use them: the driver then writes
+ * descriptors the device read long ago, not the ones it is reading now (a LIFO list hands back the lines the
+ * device just finished with). Split chains stay linked through free_next. Called before the buffer is counted
+ * free. */
+static inline void vq_drv_free_append(struct vq_driver *q, uint16_t head, uint16_t tail)
+{
+    /* empty: split counts free descriptors; packed lists ids, one per buffer in flight */
+    if (q->packed ? q->inflight == q->size : q->num_free == 0)
+        q->free_head = head;
+    else
+        q->free_next[q->free_tail] = head;
+    q->free_tail = tail;
+}
+
 /* Give back a reclaimed buffer's descriptors (normal variants: to the free list). */
 static inline void vq_drv_free_split(struct vq_driver *q, uint16_t head)
 {
@@ -416,8 +431,7 @@ static inline void vq_drv_free_split(struct vq_driver *q, uint16_t head)
         uint16_t tail = head;
         for (uint16_t k = 1; k < n; k++)
             tail = q->free_next[tail];
-        q->free_next[tail] = q->free_head;
-        q->free_head = head;
+        vq_drv_free_append(q, head, tail);
     }
     q->id_inflight[head] = 0;
     q->num_free += n;
@@ -445,7 +459,7 @@ static inline uint32_t vq_drv_reclaim_simple_split(struct vq_driver *q, uint64_t
     uint16_t *free_next = q->free_next;
     uint8_t *id_inflight = q->id_inflight;
     uint16_t size = q->size, mask = size - 1, last = q->last_used, used_idx = VQ_ACQUIRE(q->used->idx);
-    uint16_t free_head = q->free_head, oldest = q->oldest;
+    uint16_t free_head = q->free_head, free_tail = q->free_tail, oldest = q->oldest, nfree = q->num_free;
     int in_order = q->in_order;
     uint32_t n = 0;
     if ((uint16_t)(used_idx - last) > size)
@@ -459,14 +473,18 @@ static inline uint32_t vq_drv_reclaim_simple_split(struct vq_driver *q, uint64_t
         lens[n] = len;
         if (in_order) {
             oldest = (uint16_t)((id + 1) & mask);
-        } else {
-            free_next[id] = free_head;
-            free_head = (uint16_t)id;
+        } else {   /* FIFO (vq_drv_free_append) */
+            if (nfree++ == 0)
+                free_head = (uint16_t)id;
+            else
+                free_next[free_tail] = (uint16_t)id;
+            free_tail = (uint16_t)id;
         }
         id_inflight[id] = 0;
     }
     q->last_used = last;
     q->free_head = free_head;
+    q->free_tail = free_tail;
     q->oldest = oldest;
     q->num_free += (uint16_t)n;
     q->inflight -= (uint16_t)n;
@@ -483,7 +501,7 @@ static inline uint32_t vq_drv_reclaim_simple_packed(struct vq_driver *q, uint64_
     uint16_t *free_next = q->free_next;
     uint8_t *id_inflight = q->id_inflight;
     uint16_t size = q->size, slot = q->last_used, w = q->used_wrap, free_head = q->free_head;
-    uint16_t inflight = q->inflight;
+    uint16_t free_tail = q->free_tail, inflight = q->inflight;
     int in_order = q->in_order;
     uint32_t n = 0;
     for (; n < max && n < inflight; n++) {
@@ -502,9 +520,12 @@ static inline uint32_t vq_drv_reclaim_simple_packed(struct vq_driver *q, uint64_
             break;
         tokens[n] = id_token[id];
         lens[n] = len;
-        if (!in_order) {
-            free_next[id] = free_head;
-            free_head = id;
+        if (!in_order) {   /* FIFO (vq_drv_free_append): empty while every id is in flight */
+            if ((uint16_t)(inflight - n) == size)
+                free_head = id;
+            else
+                free_next[free_tail] = id;
+            free_tail = id;
         }
         id_inflight[id] = 0;
         if (++slot == size) {
@@ -515,6 +536,7 @@ static inline uint32_t vq_drv_reclaim_simple_packed(struct vq_driver *q, uint64_
     q->last_used = slot;
     q->used_wrap = w;
     q->free_head = free_head;
+    q->free_tail = free_tail;
     q->num_free += (uint16_t)n;
     q->inflight -= (uint16_t)n;
     return n;
@@ -596,8 +618,7 @@ static inline int vq_drv_reclaim_packed(struct vq_driver *q, uint64_t *tokens, u
             return -1;
         if (!q->in_order) {
             tokens[n] = q->id_token[id]; lens[n] = len; n++;
-            q->free_next[id] = q->free_head;
-            q->free_head = id;
+            vq_drv_free_append(q, id, id);
             q->id_inflight[id] = 0;
             q->num_free += q->id_ndesc[id];
             q->inflight--;

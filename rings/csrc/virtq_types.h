@@ -64,6 +64,7 @@ struct vq_driver {
     uint16_t next_avail, avail_wrap;
     uint16_t last_used, used_wrap;
     uint16_t num_free, free_head;
+    uint16_t free_tail;             /* normal variants: freed descriptors/ids join here (FIFO, as a ring) */
     uint16_t next_desc;             /* split in-order: next descriptor in ring order */
     uint16_t oldest;                /* split in-order: head of the oldest buffer in flight */
     uint16_t inflight;              /* buffers */

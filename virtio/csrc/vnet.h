@@ -721,6 +721,18 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
     return bad;
 }
 
+/* Could the n packets about to be sent, and every Tx buffer not yet reclaimed, find no Rx buffer posted? True
+ * when the posted Rx buffers are fewer, or when a packet needs more than one buffer (merged: counted no further). */
+static inline int vn_rx_short(const struct vn_rxq *r, const struct vn_txq *t, const uint32_t *len, uint32_t n)
+{
+    if ((uint32_t)r->q->inflight < (uint32_t)t->q->inflight + n)
+        return 1;
+    for (uint32_t i = 0; i < n; i++)
+        if (len[i] + r->hdr_size > r->post_len)
+            return 1;
+    return 0;
+}
+
 /* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, refill the
  * Rx ring, send back; what still does not fit in Tx after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off
  * the round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
@@ -742,9 +754,12 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
         if (r->lat)
             vn_lat_update(r->lat, r->pool, idx, (uint32_t)n);
         vn_macswap(r->pool, idx, (uint32_t)n);
-        /* repost what was received before it goes back out: with as many packets in flight as the Rx ring holds
-         * (bench: 256 into 256) they would otherwise reach a ring with no buffer left and be dropped */
-        vn_rx_refill(r, 1);
+        /* repost what was received before it goes back out when the Rx ring could otherwise run out: with as many
+         * packets in flight as it holds (bench: 256 into 256) they would reach a ring with no buffer left and be
+         * dropped. With room to spare the refill waits until after the send, off the round trip (one burst in
+         * flight: the whole loop is that round trip) */
+        if (vn_rx_short(r, t, len, (uint32_t)n))
+            vn_rx_refill(r, 1);
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
         /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
          * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
@@ -777,6 +792,27 @@ static inline int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *
         int n = vn_fwd_burst(r, t, idx, len, max, spin);
         if (n < 0)
             return -1;
+        total += n;
+    }
+    return total;
+}
+
+/* --wait: up to `bursts` macfwd steps, ending early after the first that found nothing (after its spin): then
+ * *idle is set and the caller enables calls and sleeps. One call per busy stretch, not per burst: Python's cost
+ * per call would otherwise be paid on every burst at full load. Returns the packets forwarded, or -1. */
+static inline int64_t vn_fwd_until_idle(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
+                                        uint32_t max, uint32_t spin, uint32_t bursts, int32_t *idle)
+{
+    int64_t total = 0;
+    *idle = 0;
+    for (uint32_t k = 0; k < bursts; k++) {
+        int n = vn_fwd_burst(r, t, idx, len, max, spin);
+        if (n < 0)
+            return -1;
+        if (n == 0) {
+            *idle = 1;
+            break;
+        }
         total += n;
     }
     return total;
