@@ -49,9 +49,9 @@ MUTANTS = [
            "the driver reports the buffer's writable size instead of the used len",
            ((H, "tokens[n] = q->id_token[id]; lens[n] = len; n++;\n            vq_drv_free_split(q, id);",
              "tokens[n] = q->id_token[id]; lens[n] = q->id_wlen[id]; n++;\n            vq_drv_free_split(q, id);"),
-            (H, "tokens[n] = q->id_token[id]; lens[n] = len; n++;\n            q->free_next[id] = q->free_head;",
+            (H, "tokens[n] = q->id_token[id]; lens[n] = len; n++;\n            vq_drv_free_append(q, id, id);",
              "tokens[n] = q->id_token[id]; lens[n] = q->id_wlen[id]; n++;\n"
-             "            q->free_next[id] = q->free_head;"),
+             "            vq_drv_free_append(q, id, id);"),
             (REF, "lens.append(length if k == len(batch) - 1 else self.id_wlen[id])",
              "lens.append(self.id_wlen[id])"))),
     Mutant("evt_10_used_flags_not_initialised", ("EVT-10",),

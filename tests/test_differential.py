@@ -80,6 +80,33 @@ class RingsMachine(RuleBasedStateMachine):
         a, b = self.both(lambda s: s.drv.add_simple(addrs, lens, tokens, writable=writable))
         assert a == b
 
+    @rule(data=st.data())
+    def fill(self, data):
+        """Chains of mixed lengths (direct, indirect, the whole ring) until the ring refuses one: the free list
+        runs empty, and packed then has fewer descriptors than ids free."""
+        for _ in range(2 * self.size + 1):
+            nseg = data.draw(st.sampled_from(sorted({k for k in (1, 2, 5, self.size) if k <= self.size})))
+            nread = data.draw(st.integers(0, nseg - 1))
+            tokens = [self.token]
+            self.token += 1
+            a, b = self.both(lambda s: s.drv.add([DATA] * nseg, [64] * nseg, [nread], [nseg - nread], tokens))
+            assert a == b
+            if not a:
+                return
+
+    @precondition(lambda self: not self.polled)
+    @rule(data=st.data())
+    def drain(self, data):
+        """Everything published comes back (any order without IN_ORDER) and is reclaimed: the ring empties."""
+        self.publish()
+        self.poll(4 * self.size)
+        if self.polled:
+            chosen = self.polled if self.in_order else data.draw(st.permutations(self.polled))
+            self.both(lambda s: s.dev.push_used([i for i, _ in chosen], [0] * len(chosen)))
+            self.polled = []
+        self.flush()
+        self.reclaim(4 * self.size)
+
     @rule()
     def publish(self):
         self.both(lambda s: s.drv.publish())
@@ -139,6 +166,34 @@ class RingsMachine(RuleBasedStateMachine):
     def same_memory(self):
         if hasattr(self, "c"):
             assert self.c.buf == self.ref.buf, first_difference(self.c.buf, self.ref.buf)
+
+    @invariant()
+    def free_lists_hold_what_is_free(self):
+        """Normal variants: the free list, walked from its head, holds each free descriptor (split) or id (packed)
+        once, ends at free_tail, and shares none with a buffer in flight (split: its chain's links)."""
+        if not hasattr(self, "c") or self.in_order:
+            return
+        for side in (self.c, self.ref):
+            q = side.drv
+            n, packed = self.size, self.layout.packed
+            inflight = [i for i in range(n) if q.id_inflight[i]]
+            owned = set(inflight) if packed else set()
+            for h in ([] if packed else inflight):
+                x = h
+                for j in range(int(q.id_ndesc[h])):
+                    owned.add(x)
+                    x = int(q.free_next[x]) if j + 1 < q.id_ndesc[h] else x
+            c = q.c if hasattr(q, "c") else q
+            count = n - len(inflight) if packed else int(c.num_free)
+            assert len(owned) == (len(inflight) if packed else n - count), "chains overlap"
+            walk, x = [], int(c.free_head)
+            for k in range(count):
+                walk.append(x)
+                if k + 1 < count:
+                    x = int(q.free_next[x])
+            assert len(set(walk)) == len(walk) and set(walk).isdisjoint(owned), (walk, sorted(owned))
+            assert all(0 <= x < n for x in walk), walk
+            assert not walk or walk[-1] == int(c.free_tail), (walk, int(c.free_tail))
 
     @invariant()
     def same_state(self):

@@ -721,18 +721,6 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
     return bad;
 }
 
-/* Could the n packets about to be sent, and every Tx buffer not yet reclaimed, find no Rx buffer posted? True
- * when the posted Rx buffers are fewer, or when a packet needs more than one buffer (merged: counted no further). */
-static inline int vn_rx_short(const struct vn_rxq *r, const struct vn_txq *t, const uint32_t *len, uint32_t n)
-{
-    if ((uint32_t)r->q->inflight < (uint32_t)t->q->inflight + n)
-        return 1;
-    for (uint32_t i = 0; i < n; i++)
-        if (len[i] + r->hdr_size > r->post_len)
-            return 1;
-    return 0;
-}
-
 /* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, refill the
  * Rx ring, send back; what still does not fit in Tx after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off
  * the round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
@@ -754,12 +742,11 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
         if (r->lat)
             vn_lat_update(r->lat, r->pool, idx, (uint32_t)n);
         vn_macswap(r->pool, idx, (uint32_t)n);
-        /* repost what was received before it goes back out when the Rx ring could otherwise run out: with as many
-         * packets in flight as it holds (bench: 256 into 256) they would reach a ring with no buffer left and be
-         * dropped. With room to spare the refill waits until after the send, off the round trip (one burst in
-         * flight: the whole loop is that round trip) */
-        if (vn_rx_short(r, t, len, (uint32_t)n))
-            vn_rx_refill(r, 1);
+        /* repost what was received before it goes back out: with as many packets in flight as the Rx ring holds
+         * (bench: 256 into 256) they would otherwise reach a ring with no buffer left and be dropped. Always: what
+         * the driver can see (posted Rx buffers, Tx not reclaimed) does not say how many the backend can still
+         * fill (used Rx entries not yet received, packets staged after their Tx completion was reclaimed) */
+        vn_rx_refill(r, 1);
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
         /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
          * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
