@@ -25,9 +25,7 @@ uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, const uint32_t *
                   uint64_t *seqs);
 int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
 int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                    uint32_t spin, uint32_t bursts);
-int64_t vn_fwd_until_idle(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                          uint32_t spin, uint32_t bursts, int32_t *idle);
+                    uint32_t spin, uint32_t bursts, int32_t *idle);
 int vn_tx_flush(struct vn_txq *t);
 uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, const uint8_t *tmpl, uint32_t len,
                    uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off, uint32_t *lens);

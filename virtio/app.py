@@ -500,7 +500,7 @@ class _Loop:
             return
         spin, loop, done = self.cfg.spin, lib.vn_fwd_loop, self._done
         while not done(deadline):
-            if loop(rx, tx, p_idx, p_lens, b, spin, 64) < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, ffi.NULL) < 0:
                 self._raise()
 
     def _run_macfwd_wait(self, deadline):
@@ -508,7 +508,7 @@ class _Loop:
         re-checked and the call eventfd waited on (RxQueue.wait, woken early by a signal or the backend
         leaving)."""
         rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
-        p_idx, p_lens, loop, idle = self.p_idx, self.p_lens, lib.vn_fwd_until_idle, ffi.new("int32_t *")
+        p_idx, p_lens, loop, idle = self.p_idx, self.p_lens, lib.vn_fwd_loop, ffi.new("int32_t *")
         while not self._done(deadline):
             if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle) < 0:
                 self._raise()

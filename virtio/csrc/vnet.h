@@ -769,34 +769,21 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
     return n;
 }
 
-/* Up to `bursts` macfwd steps in one call (Python then looks at the clock and its stop flag). Returns the
- * packets forwarded, or -1 when a ring broke. */
+/* Up to `bursts` macfwd steps in one call (Python then looks at the clock and its stop flag). With `idle` (--wait),
+ * the call also ends after the first step that found nothing (after its spin) and sets *idle: the caller then
+ * enables calls and sleeps. Python is paid per call, not per burst. Returns the packets forwarded, or -1 when a
+ * ring broke. */
 static inline int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                                  uint32_t spin, uint32_t bursts)
+                                  uint32_t spin, uint32_t bursts, int32_t *idle)
 {
     int64_t total = 0;
+    if (idle)
+        *idle = 0;
     for (uint32_t k = 0; k < bursts; k++) {
         int n = vn_fwd_burst(r, t, idx, len, max, spin);
         if (n < 0)
             return -1;
-        total += n;
-    }
-    return total;
-}
-
-/* --wait: up to `bursts` macfwd steps, ending early after the first that found nothing (after its spin): then
- * *idle is set and the caller enables calls and sleeps. One call per busy stretch, not per burst: Python's cost
- * per call would otherwise be paid on every burst at full load. Returns the packets forwarded, or -1. */
-static inline int64_t vn_fwd_until_idle(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
-                                        uint32_t max, uint32_t spin, uint32_t bursts, int32_t *idle)
-{
-    int64_t total = 0;
-    *idle = 0;
-    for (uint32_t k = 0; k < bursts; k++) {
-        int n = vn_fwd_burst(r, t, idx, len, max, spin);
-        if (n < 0)
-            return -1;
-        if (n == 0) {
+        if (n == 0 && idle) {
             *idle = 1;
             break;
         }
