@@ -210,6 +210,9 @@ def _processes_mentioning(text):
     (["--idle-polls", "0"], "idle polls"),
     (["--study", "colours"], "invalid choice"),
     (["--study", "txq", "--vs-dpdk"], "ours/ours only"),
+    (["--study", "tx-cleanup", "--pairs", "ours/dpdk"], "ours/ours only, not ours/dpdk"),
+    (["--study", "hdr-prepend", "--pairs", "dpdk/ours"], "ours/ours and ours/dpdk only, not dpdk/ours"),
+    (["--tx-hdr", "inline"], "invalid choice"),
     (["--study", "doorbell", "--notify"], "its own mode"),
     (["--txq-flush", "never"], "txq flush"),
 ])

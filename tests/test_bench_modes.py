@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from vring import bench, studies
+from vring import bench, dpdk, studies
 from vring.cli import build_parser, main
 
 from test_bench import _assert_clean, tracked  # noqa: F401 (the fixture)
@@ -123,4 +123,46 @@ def test_study_table_json_plot(tmp_path, tracked, capsys):  # noqa: F811
     assert argv == {("packet",), ("burst",)}
     if png is not None:
         assert png.stat().st_size > 1000
+    _assert_clean(tmp_path, tracked)
+
+
+def test_driver_side_studies_face_dpdk_too():
+    """hdr-prepend / hdr-init differ in the driver only, so they may run in front of DPDK's net_vhost as well: one
+    group per pair, the pair in the group's name; studies with device variants stay ours/ours."""
+    st = studies.get("hdr-prepend")
+    cfg = bench.BenchConfig(pairs=["ours/ours", "ours/dpdk"], paths=["split-normal"], repeat=1)
+    st.check_pairs(cfg.pairs)
+    pts = list(st.points(cfg))
+    assert {(p.pair, p.group) for p in pts} == {("ours/ours", "split-normal"), ("ours/dpdk", "split-normal ours/dpdk")}
+    assert len(pts) == 2 * len(st.variants)
+    for name in ("tx-cleanup", "doorbell", "retries", "txq"):
+        with pytest.raises(ValueError, match="ours/ours only"):
+            studies.get(name).check_pairs(["ours/dpdk"])
+
+
+@pytest.mark.skipif(bool(dpdk.skip_reason()), reason=dpdk.skip_reason() or "ok")
+def test_hdr_prepend_in_front_of_net_vhost(tmp_path, tracked, capsys):  # noqa: F811
+    """The study against DPDK's device: every variant ran (our driver with its --tx-hdr), DPDK's net_vhost
+    forwarded all of it back (loss check), and the table names the pair."""
+    out = tmp_path / "s.json"
+    rc = main(["bench", "--study", "hdr-prepend", "--pairs", "ours/dpdk", "--paths", "split-in-order",
+               "--json", str(out), *SHORT])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["study"]["rows"]}
+    assert set(rows) == {"headroom", "chain", "indirect"}
+    assert all(r["group"] == "split-in-order ours/dpdk" and r["mpps"] > 0 and r["loss_check_ok"]
+               for r in rows.values())
+    assert rows["chain"]["descs_per_packet"] == pytest.approx(2.0, abs=0.05)
+    argv = {x.argv[x.argv.index("--tx-hdr", x.argv.index("--tx-hdr") + 1) + 1] for x in tracked if x.name == "driver"}
+    assert argv == {"headroom", "chain", "indirect"}
+    assert "split-in-order ours/dpdk" in text
+    _assert_clean(tmp_path, tracked)
+
+
+def test_tx_hdr_reaches_our_driver(tmp_path, tracked, capsys):  # noqa: F811
+    rc = main(["bench", "--tx-hdr", "chain", "--paths", "packed-in-order", *SHORT])
+    assert rc == 0, capsys.readouterr().out
+    drivers = [x for x in tracked if x.name == "driver"]
+    assert drivers and all(x.argv[x.argv.index("--tx-hdr") + 1] == "chain" for x in drivers)
     _assert_clean(tmp_path, tracked)

@@ -63,6 +63,7 @@ PATHS = {  # name -> (packed, in_order)
 }
 PAIRS = ("ours/ours", "dpdk/dpdk", "ours/dpdk", "dpdk/ours")   # driver/device
 MODES = ("poll", "notify")
+TX_HDR = ("headroom", "chain", "indirect")   # vring driver --tx-hdr (virtio.net.TX_HDR)
 MIN_PKT, MAX_PKT, MAX_PKT_DPDK = 60, 9000, 1518
 MAX_RATE = 100e6
 PCTS = ("p50", "p99", "p99.9")
@@ -171,6 +172,7 @@ class BenchConfig:
     retries: int = 0               # our device only
     txq_flush: str = "rx-batch"    # our device only
     mrg_rxbuf: bool = True
+    tx_hdr: str = "headroom"       # our driver: where its Tx virtio-net header goes (vring driver --tx-hdr)
     seconds: float = 10.0          # measured seconds per point (after the warm-up)
     warmup: float = 2.0
     interval: float = 0.5
@@ -204,6 +206,8 @@ class BenchConfig:
             raise ValueError(f"--repeat must be 1..1000, not {self.repeat}")
         if not 0 <= self.idle_first <= 600:
             raise ValueError(f"--idle must be 0..600 seconds, not {self.idle_first}")
+        if self.tx_hdr not in TX_HDR:
+            raise ValueError(f"--tx-hdr must be one of {', '.join(TX_HDR)}, not {self.tx_hdr!r}")
         for m in self.modes:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}")
@@ -539,7 +543,7 @@ class Measurement:
             argv = _vring_cmd("driver", "--socket", self.sock, "--json", "--pin", cfg.driver_cpu,
                               "--packed" if self.packed else "--split",
                               "--in-order" if self.in_order else "--no-in-order",
-                              "--mrg-rxbuf" if cfg.mrg_rxbuf else "--no-mrg-rxbuf",
+                              "--mrg-rxbuf" if cfg.mrg_rxbuf else "--no-mrg-rxbuf", "--tx-hdr", cfg.tx_hdr,
                               "--burst", cfg.burst, "--ring-size", cfg.ring_size, "--pkt-size", self.size,
                               "--seconds", watchdog, "--timeout", 10, "--latency-warmup", cfg.warmup)
             if rate is None:

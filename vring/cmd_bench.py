@@ -69,6 +69,10 @@ def register(sub):
                    help="our device: when the intermediate Tx queue is drained (default rx-batch)")
     g.add_argument("--mrg-rxbuf", action=argparse.BooleanOptionalAction, default=True,
                    help="negotiate VIRTIO_NET_F_MRG_RXBUF (default: yes)")
+    g.add_argument("--tx-hdr", choices=bench.TX_HDR, default="headroom",
+                   help="our driver: its Tx virtio-net header in the packet's headroom (1 descriptor, default), in a "
+                        "descriptor of its own chained before the data, or indirect (vring driver --tx-hdr). In front "
+                        "of DPDK's net_vhost with MRG_RXBUF, chain is the faster: see README.md, Benchmarks")
     n = p.add_argument_group("notifications, offered load, studies")
     n.add_argument("--notify", action="store_true",
                    help="run our sides with notifications (vring vhost --idle sleep, vring driver --wait) instead "
@@ -128,8 +132,7 @@ def config_from_args(args):
     paths = args.paths
     if args.study:
         study = studies.get(args.study)
-        if pairs != ["ours/ours"] or args.vs_dpdk:
-            raise ValueError(f"--study {args.study} compares our own code paths: it runs ours/ours only")
+        study.check_pairs(pairs)
         if args.modes is not None or args.notify:
             raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
         paths = paths or list(study.default_paths)
@@ -145,7 +148,7 @@ def config_from_args(args):
     idle = args.idle if args.idle is not None else (2.0 if "notify" in modes else 0.0)
     cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
                             burst=args.burst, ring_size=args.ring_size, inject=args.inject, retries=args.retries,
-                            txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, seconds=args.seconds,
+                            txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr, seconds=args.seconds,
                             warmup=args.warmup, interval=args.interval, repeat=args.repeat,
                             device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,
                             rates=args.rate or [], idle_first=idle, idle_polls=args.idle_polls, study=args.study,

@@ -45,6 +45,14 @@ class Study:
     rates: tuple = ()       # default offered loads (open loop); (): closed loop
     default_paths: tuple = ("split-normal", "packed-normal")
     per_format: bool = False
+    devices: tuple = ("ours",)   # devices the variants may face: "dpdk" too when they differ in the driver only
+
+    def check_pairs(self, pairs):
+        """ValueError unless every pair is our driver in front of a device this study may face."""
+        allowed = [f"ours/{d}" for d in self.devices]
+        bad = [p for p in pairs if p not in allowed]
+        if bad:
+            raise ValueError(f"--study {self.name} runs {' and '.join(allowed)} only, not {', '.join(bad)}")
 
     @property
     def baseline(self):
@@ -63,17 +71,19 @@ class Study:
     def points(self, cfg):
         rates = list(cfg.rates) or list(self.rates) or [None]
         for rep in range(cfg.repeat):
-            for where in self.paths(cfg):
-                for size in cfg.pkt_sizes:
-                    for rate in rates:
-                        group = where + ("" if rate is None else f" @ {_rate_label(rate)} fps")
-                        variants = self.variants if rep % 2 == 0 else self.variants[::-1]
-                        for v in variants:
-                            path = where
-                            if self.per_format:
-                                path = f"{where}-{'in-order' if v.in_order else 'normal'}"
-                            yield Point(rep, path, size, "ours/ours", self.mode, rate, group=group, variant=v.label,
-                                        driver_args=v.driver_args, device_args=v.device_args)
+            for pair in cfg.pairs:
+                for where in self.paths(cfg):
+                    for size in cfg.pkt_sizes:
+                        for rate in rates:
+                            group = where + ("" if pair == "ours/ours" else f" {pair}") \
+                                + ("" if rate is None else f" @ {_rate_label(rate)} fps")
+                            variants = self.variants if rep % 2 == 0 else self.variants[::-1]
+                            for v in variants:
+                                path = where
+                                if self.per_format:
+                                    path = f"{where}-{'in-order' if v.in_order else 'normal'}"
+                                yield Point(rep, path, size, pair, self.mode, rate, group=group, variant=v.label,
+                                            driver_args=v.driver_args, device_args=v.device_args)
 
     def summary(self, cfg, points):
         """Rows (group, variant, metrics, ratio to the baseline in the same group) for the table and the JSON."""
@@ -160,13 +170,13 @@ STUDIES = {s.name: s for s in (
           (Variant("headroom", driver_args=("--tx-hdr", "headroom"), reported="1 descriptor"),
            Variant("chain", driver_args=("--tx-hdr", "chain"), reported="2 descriptors"),
            Variant("indirect", driver_args=("--tx-hdr", "indirect"))),
-          ("mpps", "descs_per_packet"), ("mpps",)),
+          ("mpps", "descs_per_packet"), ("mpps",), devices=("ours", "dpdk")),
     Study("hdr-init", "the driver's Tx header cleared once per packet (in place) vs once per burst (a template "
           "copied per packet) (--hdr-init)",
           "OVS, packet metadata initialised once per batch instead of once per packet: 11.30 -> 11.70 Mpps (+3.5%)",
           (Variant("per packet", driver_args=("--hdr-init", "packet")),
            Variant("per burst", driver_args=("--hdr-init", "burst"), reported="+3.5%")),
-          ("mpps",), ("mpps",)),
+          ("mpps",), ("mpps",), devices=("ours", "dpdk")),
     Study("doorbell", "one doorbell (publish + kick when asked) per packet vs per burst, notifications on: both "
           "sides sleep when idle, the backend after its first empty poll (--idle-polls 1) (--doorbell)",
           "Linux xmit_more: one doorbell per batch of packets instead of one per packet (the issue quotes no "
