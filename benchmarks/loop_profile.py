@@ -28,7 +28,7 @@ PATHS = {"split-normal": (False, False), "split-in-order": (False, True),
 DEVICE_FN, DRIVER_FN = "vh_run", "vn_fwd_burst"   # C only: the cffi call overhead stays out
 
 
-def run_loop(path, rounds, inject, burst, ring, pkt_size, mrg, vhost_opts=None):
+def run_loop(path, rounds, inject, burst, ring, pkt_size, mrg, vhost_opts=None, tx_hdr="headroom"):
     """Inject ``inject`` packets, forward them for ``rounds`` rounds; returns the counters (packets each side
     moved since the start, injection included: callgrind counts the calls made then too)."""
     import numpy as np
@@ -46,7 +46,7 @@ def run_loop(path, rounds, inject, burst, ring, pkt_size, mrg, vhost_opts=None):
     f = bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_F_INDIRECT_DESC)
     f |= (bit(VIRTIO_F_RING_PACKED) if packed else 0) | (bit(VIRTIO_F_IN_ORDER) if in_order else 0)
     f |= bit(VIRTIO_NET_F_MRG_RXBUF) if mrg else 0
-    nq = NetQueues(f, size=ring, burst=burst)
+    nq = NetQueues(f, size=ring, burst=burst, hdr=tx_hdr)
     try:
         nq.rx.fill()
         cmem = CMemory(nq.mem.table)
@@ -114,8 +114,8 @@ def callgrind(args):
                     f"--toggle-collect={DEVICE_FN}", f"--toggle-collect={DRIVER_FN}",
                     sys.executable, os.path.abspath(__file__), "--path", path, "--rounds", str(args.rounds),
                     "--inject", str(args.inject), "--burst", str(args.burst), "--ring-size", str(args.ring_size),
-                    "--pkt-size", str(args.pkt_size), "--counters", cnt] + (["--no-mrg-rxbuf"] if not args.mrg
-                                                                             else [])
+                    "--pkt-size", str(args.pkt_size), "--tx-hdr", args.tx_hdr, "--counters", cnt] \
+                + (["--no-mrg-rxbuf"] if not args.mrg else [])
             for o in args.vhost:
                 argv += ["--vhost", o]
             subprocess.run(argv, check=True, capture_output=True, cwd=ROOT,
@@ -150,6 +150,8 @@ def main():
     ap.add_argument("--ring-size", type=int, default=256)
     ap.add_argument("--pkt-size", type=int, default=64)
     ap.add_argument("--no-mrg-rxbuf", dest="mrg", action="store_false")
+    ap.add_argument("--tx-hdr", default="headroom", choices=("headroom", "chain", "indirect"),
+                    help="where the driver puts its Tx header (vring driver --tx-hdr)")
     ap.add_argument("--vhost", action="append", default=[], metavar="KEY=VALUE",
                     help="a vhost.datapath.Options field (e.g. in_order_batch=1, txq_flush=threshold)")
     ap.add_argument("--counters", help="write the counters as JSON here")
@@ -169,7 +171,8 @@ def main():
     for o in args.vhost:
         k, _, v = o.partition("=")
         vopts[k] = int(v) if v.isdigit() else v
-    c = run_loop(args.path, args.rounds, args.inject, args.burst, args.ring_size, args.pkt_size, args.mrg, vopts)
+    c = run_loop(args.path, args.rounds, args.inject, args.burst, args.ring_size, args.pkt_size, args.mrg, vopts,
+                 args.tx_hdr)
     if args.counters:
         with open(args.counters, "w") as f:
             json.dump(c, f)

@@ -24,10 +24,15 @@ run() {   # run NAME ARGS...: the table to NAME.txt, JSON and plot beside it
 python3 benchmarks/loop_profile.py --callgrind > "$out/instructions.txt" || echo "(no valgrind: no instruction counts)" >&2
 run pairs-256 --pairs ours/ours,dpdk/dpdk,ours/dpdk,dpdk/ours --inject 256
 run pairs-32 --pairs ours/ours,dpdk/dpdk,ours/dpdk,dpdk/ours --inject 32
+# our driver in front of net_vhost with its header in a descriptor of its own (README.md, Benchmarks)
+run pairs-256-chain --pairs ours/dpdk,dpdk/dpdk --tx-hdr chain --inject 256
+run pairs-32-chain --pairs ours/dpdk,dpdk/dpdk --tx-hdr chain --inject 32
 run notify --modes poll,notify --idle 3
 run notify-mixed --pairs ours/dpdk,dpdk/ours --modes poll,notify --idle 3
 run rate --rate 10k,100k,1M,2M,4M,8M --paths split-in-order,packed-in-order
-for study in tx-cleanup hdr-prepend hdr-init doorbell retries txq; do
+for study in tx-cleanup hdr-init doorbell retries txq; do
     run "study-$study" --study "$study"
 done
+run study-hdr-prepend --study hdr-prepend --pairs ours/ours,ours/dpdk \
+    --paths split-normal,split-in-order,packed-normal,packed-in-order
 echo "tables, JSON and plots in $out" >&2
