@@ -165,7 +165,8 @@ def main():
         for r in rows:
             print(f"{r['path']:16s} {r['device_ir_per_pkt']:14.1f} {r['driver_ir_per_pkt']:14.1f} "
                   f"{r['pkts_per_dequeue_burst']:11.2f} {r['rx_dropped']:6d}")
-        print(json.dumps({"rounds": args.rounds, "inject": args.inject, "burst": args.burst, "rows": rows}))
+        print(json.dumps({"rounds": args.rounds, "inject": args.inject, "burst": args.burst, "tx_hdr": args.tx_hdr,
+                          "mrg_rxbuf": args.mrg, "rows": rows}))
         return
     vopts = {}
     for o in args.vhost:

@@ -1,8 +1,8 @@
 #!/bin/sh
 # The whole loopback benchmark, as quoted in a closing note: the four pairs (256 and one burst in flight), polled
 # vs notified, latency against offered load, and every design study. Run it on a quiet machine with at least two
-# CPUs; each command writes its table (.txt), its JSON and its plot into OUTDIR. Takes about 2.5 hours with the
-# defaults below (REPEAT=5, BENCH_SECONDS=8, WARMUP=2); REPEAT=3 BENCH_SECONDS=5 takes about one hour.
+# CPUs; each command writes its table (.txt), its JSON and its plot into OUTDIR. Takes about 3 hours with the
+# defaults below (REPEAT=5, BENCH_SECONDS=8, WARMUP=2); REPEAT=3 BENCH_SECONDS=5 takes about 80 minutes.
 #
 #   sh benchmarks/suite.sh OUTDIR
 #
@@ -24,8 +24,9 @@ run() {   # run NAME ARGS...: the table to NAME.txt, JSON and plot beside it
 python3 benchmarks/loop_profile.py --callgrind > "$out/instructions.txt" || echo "(no valgrind: no instruction counts)" >&2
 run pairs-256 --pairs ours/ours,dpdk/dpdk,ours/dpdk,dpdk/ours --inject 256
 run pairs-32 --pairs ours/ours,dpdk/dpdk,ours/dpdk,dpdk/ours --inject 32
-# our driver in front of net_vhost with its header in a descriptor of its own (README.md, Benchmarks)
-run pairs-256-chain --pairs ours/dpdk,dpdk/dpdk --tx-hdr chain --inject 256
+# our driver in front of net_vhost with its header in a descriptor of its own (README.md, Benchmarks): two
+# descriptors a packet, so 256 in flight take 512-entry rings (both pairs, to compare like with like)
+run pairs-256-chain --pairs ours/dpdk,dpdk/dpdk --tx-hdr chain --inject 256 --ring-size 512
 run pairs-32-chain --pairs ours/dpdk,dpdk/dpdk --tx-hdr chain --inject 32
 run notify --modes poll,notify --idle 3
 run notify-mixed --pairs ours/dpdk,dpdk/ours --modes poll,notify --idle 3

@@ -135,6 +135,7 @@ def test_driver_side_studies_face_dpdk_too():
     pts = list(st.points(cfg))
     assert {(p.pair, p.group) for p in pts} == {("ours/ours", "split-normal"), ("ours/dpdk", "split-normal ours/dpdk")}
     assert len(pts) == 2 * len(st.variants)
+    studies.get("hdr-init").check_pairs(["ours/ours", "ours/dpdk"])
     for name in ("tx-cleanup", "doorbell", "retries", "txq"):
         with pytest.raises(ValueError, match="ours/ours only"):
             studies.get(name).check_pairs(["ours/dpdk"])
@@ -151,9 +152,11 @@ def test_hdr_prepend_in_front_of_net_vhost(tmp_path, tracked, capsys):  # noqa: 
     assert rc == 0, text
     rows = {r["variant"]: r for r in json.loads(out.read_text())["study"]["rows"]}
     assert set(rows) == {"headroom", "chain", "indirect"}
-    assert all(r["group"] == "split-in-order ours/dpdk" and r["mpps"] > 0 and r["loss_check_ok"]
+    assert all(r["group"] == "split-in-order ours/dpdk" and r["pair"] == "ours/dpdk" and r["mpps"] > 0
+               and r["loss_check_ok"]
                for r in rows.values())
     assert rows["chain"]["descs_per_packet"] == pytest.approx(2.0, abs=0.05)
+    assert all(isinstance(r["drops"], int) for r in rows.values())   # chain: 2 descriptors a packet, half the ring
     argv = {x.argv[x.argv.index("--tx-hdr", x.argv.index("--tx-hdr") + 1) + 1] for x in tracked if x.name == "driver"}
     assert argv == {"headroom", "chain", "indirect"}
     assert "split-in-order ours/dpdk" in text
@@ -161,8 +164,17 @@ def test_hdr_prepend_in_front_of_net_vhost(tmp_path, tracked, capsys):  # noqa: 
 
 
 def test_tx_hdr_reaches_our_driver(tmp_path, tracked, capsys):  # noqa: F811
-    rc = main(["bench", "--tx-hdr", "chain", "--paths", "packed-in-order", *SHORT])
-    assert rc == 0, capsys.readouterr().out
+    """--tx-hdr chain: our driver sends two descriptors a packet (measured from its Tx reclaim counters), with
+    the inject small enough for half a ring; the output says which header placement ran."""
+    out = tmp_path / "b.json"
+    rc = main(["bench", "--tx-hdr", "chain", "--paths", "packed-in-order", "--inject", "64", "--json", str(out),
+               *SHORT])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
     drivers = [x for x in tracked if x.name == "driver"]
     assert drivers and all(x.argv[x.argv.index("--tx-hdr") + 1] == "chain" for x in drivers)
+    res = json.loads(out.read_text())
+    (pt,) = res["points"]
+    assert pt["tx_descs_per_packet"] == pytest.approx(2.0, abs=0.05) and pt["drops"] == 0
+    assert res["config"]["tx_hdr"] == "chain" and "--tx-hdr chain" in res["pinning"]
     _assert_clean(tmp_path, tracked)

@@ -317,6 +317,8 @@ def pinning_note(cfg):
     """The line the output starts with: which CPU each side runs on, and a warning when both share one."""
     how = cfg.cpu_choice.get("chosen", "--cpus")
     line = f"pinned: device on CPU {cfg.device_cpu}, driver on CPU {cfg.driver_cpu} ({how})"
+    if cfg.tx_hdr != "headroom" and any(p.startswith("ours/") for p in cfg.pairs):
+        line += f"; our driver's Tx header: --tx-hdr {cfg.tx_hdr}"
     if cfg.device_cpu == cfg.driver_cpu:
         line += ("\nWARNING: both sides share CPU %d: the figures measure time sharing on one CPU, not the rings "
                  "(give two CPUs with --cpus, or run where two are allowed)" % cfg.device_cpu)

@@ -71,8 +71,8 @@ def register(sub):
                    help="negotiate VIRTIO_NET_F_MRG_RXBUF (default: yes)")
     g.add_argument("--tx-hdr", choices=bench.TX_HDR, default="headroom",
                    help="our driver: its Tx virtio-net header in the packet's headroom (1 descriptor, default), in a "
-                        "descriptor of its own chained before the data, or indirect (vring driver --tx-hdr). In front "
-                        "of DPDK's net_vhost with MRG_RXBUF, chain is the faster: see README.md, Benchmarks")
+                        "descriptor of its own chained before the data (2 descriptors), or indirect (vring driver "
+                        "--tx-hdr). In front of DPDK's net_vhost, chain can be the faster: see README.md, Benchmarks")
     n = p.add_argument_group("notifications, offered load, studies")
     n.add_argument("--notify", action="store_true",
                    help="run our sides with notifications (vring vhost --idle sleep, vring driver --wait) instead "
@@ -127,12 +127,18 @@ def config_from_args(args):
     if args.pairs is not None and (args.driver or args.device):
         raise ValueError("give --pairs or --driver/--device, not both")
     pairs = args.pairs or [f"{args.driver or 'ours'}/{args.device or 'ours'}"]
+    if args.study and args.vs_dpdk:
+        raise ValueError(f"--study {args.study} compares variants of our side: no --vs-dpdk (dpdk/dpdk has none)")
     if args.vs_dpdk and "dpdk/dpdk" not in pairs:
         pairs = pairs + ["dpdk/dpdk"]
+    if args.tx_hdr != "headroom" and not any(p.startswith("ours/") for p in pairs):
+        raise ValueError("--tx-hdr places our driver's Tx header: no pair here runs our driver")
     paths = args.paths
     if args.study:
         study = studies.get(args.study)
         study.check_pairs(pairs)
+        if study.tx_hdr_fixed and args.tx_hdr != "headroom":
+            raise ValueError(f"--study {args.study}: {study.tx_hdr_fixed}; no --tx-hdr {args.tx_hdr}")
         if args.modes is not None or args.notify:
             raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
         paths = paths or list(study.default_paths)
@@ -148,8 +154,8 @@ def config_from_args(args):
     idle = args.idle if args.idle is not None else (2.0 if "notify" in modes else 0.0)
     cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
                             burst=args.burst, ring_size=args.ring_size, inject=args.inject, retries=args.retries,
-                            txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr, seconds=args.seconds,
-                            warmup=args.warmup, interval=args.interval, repeat=args.repeat,
+                            txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr,
+                            seconds=args.seconds, warmup=args.warmup, interval=args.interval, repeat=args.repeat,
                             device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,
                             rates=args.rate or [], idle_first=idle, idle_polls=args.idle_polls, study=args.study,
                             keep=args.keep)

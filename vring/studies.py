@@ -46,6 +46,7 @@ class Study:
     default_paths: tuple = ("split-normal", "packed-normal")
     per_format: bool = False
     devices: tuple = ("ours",)   # devices the variants may face: "dpdk" too when they differ in the driver only
+    tx_hdr_fixed: str = ""       # why --tx-hdr must stay at its default for this study ("": it may be set)
 
     def check_pairs(self, pairs):
         """ValueError unless every pair is our driver in front of a device this study may face."""
@@ -92,7 +93,8 @@ class Study:
         for p in points:
             base = by.get((p["group"], p["pkt_size"], self.baseline))
             v = next((x for x in self.variants if x.label == p["variant"]), None)
-            row = {"group": p["group"], "pkt_size": p["pkt_size"], "variant": p["variant"], "path": p["path"],
+            row = {"group": p["group"], "pair": p["pair"], "pkt_size": p["pkt_size"], "variant": p["variant"],
+                   "path": p["path"],
                    "offered_pps": p["offered_pps"], "driver_args": list(v.driver_args) if v else [],
                    "device_args": list(v.device_args) if v else [],
                    "reported": v.reported if v and p["group"].startswith(v.reported_on) else "",
@@ -170,13 +172,15 @@ STUDIES = {s.name: s for s in (
           (Variant("headroom", driver_args=("--tx-hdr", "headroom"), reported="1 descriptor"),
            Variant("chain", driver_args=("--tx-hdr", "chain"), reported="2 descriptors"),
            Variant("indirect", driver_args=("--tx-hdr", "indirect"))),
-          ("mpps", "descs_per_packet"), ("mpps",), devices=("ours", "dpdk")),
+          ("mpps", "descs_per_packet", "drops"), ("mpps",), devices=("ours", "dpdk"),
+          tx_hdr_fixed="its variants set --tx-hdr"),
     Study("hdr-init", "the driver's Tx header cleared once per packet (in place) vs once per burst (a template "
           "copied per packet) (--hdr-init)",
           "OVS, packet metadata initialised once per batch instead of once per packet: 11.30 -> 11.70 Mpps (+3.5%)",
           (Variant("per packet", driver_args=("--hdr-init", "packet")),
            Variant("per burst", driver_args=("--hdr-init", "burst"), reported="+3.5%")),
-          ("mpps",), ("mpps",), devices=("ours", "dpdk")),
+          ("mpps",), ("mpps",), devices=("ours", "dpdk"),
+          tx_hdr_fixed="both variants write the header into the headroom (--tx-hdr headroom)"),
     Study("doorbell", "one doorbell (publish + kick when asked) per packet vs per burst, notifications on: both "
           "sides sleep when idle, the backend after its first empty poll (--idle-polls 1) (--doorbell)",
           "Linux xmit_more: one doorbell per batch of packets instead of one per packet (the issue quotes no "
@@ -222,7 +226,8 @@ def format_study(result):
     st = result["study"]
     cols = [(c, COLUMNS[c]) for c in st["columns"]]
     ratio_name = COLUMNS[get(st["name"]).ratio][0]
-    head_cells = [f"{'group':28s}", f"{'variant':28s}"] + [f"{h:>14s}" for _, (h, _f, _x) in cols] \
+    gw = max([28] + [len(r["group"]) for r in st["rows"]])
+    head_cells = [f"{'group':{gw}s}", f"{'variant':28s}"] + [f"{h:>14s}" for _, (h, _f, _x) in cols] \
         + [f"{'vs ' + st['baseline']:>22s}", f"{'reported':>26s}", f"{'loss':>5s}"]
     head = " ".join(head_cells)
     lines = [f"study {st['name']}: {st['what']}", f"reported by the original authors: {st['authors']}",
@@ -235,7 +240,7 @@ def format_study(result):
         vs = (r["vs_baseline"] or {}).get("median_of_per_repeat")
         vs_text = "(baseline)" if r["variant"] == st["baseline"] else \
             "-" if vs is None else f"{vs:.3f} ({(vs - 1) * 100:+.1f}%)"
-        cells = [f"{r['group'][:28]:28s}", f"{r['variant'][:28]:28s}"] \
+        cells = [f"{r['group']:{gw}s}", f"{r['variant'][:28]:28s}"] \
             + [f"{fmt(r[c]):>14s}" for c, (_h, _f, fmt) in cols] \
             + [f"{vs_text:>22s}", f"{r['reported'][:26]:>26s}", f"{'ok' if r['loss_check_ok'] else 'FAIL':>5s}"]
         lines.append(" ".join(cells) + ("  noisy" if r.get("noisy") else ""))
