@@ -150,7 +150,8 @@ def main():
     ap.add_argument("--ring-size", type=int, default=256)
     ap.add_argument("--pkt-size", type=int, default=64)
     ap.add_argument("--no-mrg-rxbuf", dest="mrg", action="store_false")
-    ap.add_argument("--tx-hdr", default="headroom", choices=("headroom", "chain", "indirect"),
+    from virtio.net import TX_HDR
+    ap.add_argument("--tx-hdr", default="headroom", choices=TX_HDR,
                     help="where the driver puts its Tx header (vring driver --tx-hdr)")
     ap.add_argument("--vhost", action="append", default=[], metavar="KEY=VALUE",
                     help="a vhost.datapath.Options field (e.g. in_order_batch=1, txq_flush=threshold)")

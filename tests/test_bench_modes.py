@@ -126,6 +126,11 @@ def test_study_table_json_plot(tmp_path, tracked, capsys):  # noqa: F811
     _assert_clean(tmp_path, tracked)
 
 
+def test_tx_hdr_choices_are_the_drivers():
+    from virtio.net import TX_HDR
+    assert bench.TX_HDR == TX_HDR
+
+
 def test_driver_side_studies_face_dpdk_too():
     """hdr-prepend / hdr-init differ in the driver only, so they may run in front of DPDK's net_vhost as well: one
     group per pair, the pair in the group's name; studies with device variants stay ours/ours."""
