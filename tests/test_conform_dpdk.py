@@ -113,7 +113,8 @@ def test_conform_driver_against_dpdk_virtio_user(tmp_path, packed):
                                                packed=packed)
     f = failed_but_dropped(rep, dropped)
     assert set(f) == ({"NET-06", "PACKED-L-05"} if packed else {"NET-06"}), f
-    assert "sent back unchanged" in f["NET-06"][0]
+    # the first evidence may be a frame that is not an echo of one Rx delivery (e.g. one seen a second time)
+    assert any("sent back unchanged" in e for e in f["NET-06"]), f["NET-06"]
     assert rep["error"] is None, rep["context"]
     r = rows(rep)
     for rid in (["PACKED-D-03", "PACKED-D-04", "PACKED-D-14", "EVT-24"] if packed else
