@@ -51,6 +51,33 @@ def test_net_06_hdr_prepend_variants(variant, hdr, ndesc, nseg):
     nq.close()
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["version1", "legacy"])
+@pytest.mark.parametrize("hdr_init", ["burst", "packet"])
+@pytest.mark.parametrize("hdr", ["chain", "indirect"])
+def test_net_06_header_slot_written_exactly(hdr, hdr_init, legacy):
+    """The header slot of a chained / indirect packet: exactly hdr_size zero bytes (12, or 10 for a legacy driver
+    without MRG_RXBUF, NET-03) over whatever the slot held, the rest of the slot untouched."""
+    from rings.layout import VIRTIO_F_VERSION_1
+    from conftest import NET_VARIANTS
+    features = 0 if legacy else NET_VARIANTS["split"]
+    nq, dev = make(features, hdr=hdr, hdr_init=hdr_init)
+    hs = nq.hdr_size
+    assert hs == (10 if legacy else 12) and bool(features & bit(VIRTIO_F_VERSION_1)) != legacy
+    nq.mem.hdr_view[:] = 0xFF
+    idx, lens = frames(nq, 4)
+    assert nq.tx.burst(idx, lens) == 4
+    ch = dev.poll()
+    for k in range(4):
+        data = b"".join(nq.mem.table.read(a, n) for a, n, _ in ch.segments(k))
+        assert data == bytes(hs) + bytes([k + 1]) * 60
+    slots = nq.mem.hdr_view.reshape(-1, 16)
+    written = [i for i in range(len(slots)) if slots[i][0] != 0xFF]
+    assert len(written) == 4
+    for i in written:
+        assert bytes(slots[i][:hs]) == bytes(hs) and bytes(slots[i][hs:]) == b"\xff" * (16 - hs)
+    nq.close()
+
+
 @pytest.mark.parametrize("hdr_init", ["burst", "packet"])
 def test_net_06_hdr_init_variants_clear_the_whole_header(variant, hdr_init):
     nq, dev = make(variant, hdr_init=hdr_init)

@@ -61,7 +61,9 @@ def register(sub):
     g.add_argument("--pkt-size", type=_list_type(bench.parse_sizes), default=[64], metavar="N,...",
                    help=f"frame sizes in bytes without FCS, {bench.MIN_PKT}..{bench.MAX_PKT} (default 64)")
     g.add_argument("--burst", type=int, default=32, help="burst size on both sides (default 32)")
-    g.add_argument("--ring-size", type=int, default=256, help="virtqueue size (default 256)")
+    g.add_argument("--ring-size", type=int, default=None,
+                   help="virtqueue size (default 256; --study hdr-prepend: twice --inject, so that a chain of two "
+                        "descriptors a packet has every packet in flight too)")
     g.add_argument("--inject", type=int, default=256, metavar="N",
                    help="packets injected into the loop (default 256; DPDK's driver: whole bursts of tx_first)")
     g.add_argument("--retries", type=int, default=0, help="our device: Rx enqueue retries 0..8 (default 0)")
@@ -133,12 +135,19 @@ def config_from_args(args):
         pairs = pairs + ["dpdk/dpdk"]
     if args.tx_hdr != "headroom" and not any(p.startswith("ours/") for p in pairs):
         raise ValueError("--tx-hdr places our driver's Tx header: no pair here runs our driver")
-    paths = args.paths
+    paths, ring = args.paths, args.ring_size
     if args.study:
         study = studies.get(args.study)
         study.check_pairs(pairs)
         if study.tx_hdr_fixed and args.tx_hdr != "headroom":
             raise ValueError(f"--study {args.study}: {study.tx_hdr_fixed}; no --tx-hdr {args.tx_hdr}")
+        need = study.descs_per_packet * args.inject
+        if args.ring_size is None and study.descs_per_packet > 1:
+            ring = max(256, 1 << (need - 1).bit_length())
+        elif args.ring_size is not None and args.ring_size < need:
+            raise ValueError(f"--study {args.study}: a variant takes {study.descs_per_packet} descriptors a packet; "
+                             f"--ring-size must be at least {study.descs_per_packet} x --inject ({need}) for every "
+                             f"variant to have all its packets in flight")
         if args.modes is not None or args.notify:
             raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
         paths = paths or list(study.default_paths)
@@ -153,7 +162,7 @@ def config_from_args(args):
     modes = _modes(args)
     idle = args.idle if args.idle is not None else (2.0 if "notify" in modes else 0.0)
     cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
-                            burst=args.burst, ring_size=args.ring_size, inject=args.inject, retries=args.retries,
+                            burst=args.burst, ring_size=ring or 256, inject=args.inject, retries=args.retries,
                             txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr,
                             seconds=args.seconds, warmup=args.warmup, interval=args.interval, repeat=args.repeat,
                             device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,

@@ -3,6 +3,7 @@ import json
 import sys
 
 from virtio.app import DriverConfig, run
+from virtio.net import TX_HDR
 
 from . import snapshot_options
 
@@ -70,7 +71,7 @@ def register(sub):
                    help="start the latency histogram over S seconds after the loop starts (default: whole run)")
     p.add_argument("--idle-first", type=float, default=0.0, metavar="S",
                    help="bring the queues up, then stay idle S seconds before sending (to measure idle CPU)")
-    p.add_argument("--tx-hdr", choices=("headroom", "chain", "indirect"), default="headroom",
+    p.add_argument("--tx-hdr", choices=TX_HDR, default="headroom",
                    help="where the Tx virtio-net header goes: the packet's headroom (one descriptor, default), "
                         "a descriptor of its own chained before the data, or one indirect descriptor for both")
     p.add_argument("--hdr-init", choices=("burst", "packet"), default="burst",

@@ -47,6 +47,7 @@ class Study:
     per_format: bool = False
     devices: tuple = ("ours",)   # devices the variants may face: "dpdk" too when they differ in the driver only
     tx_hdr_fixed: str = ""       # why --tx-hdr must stay at its default for this study ("": it may be set)
+    descs_per_packet: int = 1    # the most ring entries a variant takes per packet (the rings are sized for it)
 
     def check_pairs(self, pairs):
         """ValueError unless every pair is our driver in front of a device this study may face."""
@@ -166,14 +167,15 @@ STUDIES = {s.name: s for s in (
           ("mpps", "cleanups_per_kpkt", "descs_per_cleanup"), ("mpps", "descs_per_cleanup"),
           default_paths=("split-normal", "packed-normal"), per_format=True),
     Study("hdr-prepend", "where the driver puts the Tx virtio-net header: the packet's headroom (1 descriptor), a "
-          "descriptor of its own chained before the data (2), or one indirect descriptor for both (--tx-hdr)",
+          "descriptor of its own chained before the data (2), or one indirect descriptor for both (--tx-hdr); the "
+          "rings hold twice --inject entries unless --ring-size says otherwise",
           "DPDK virtio PMD: the header pushed into the mbuf headroom saves a descriptor per packet (the issue "
           "quotes no figure)",
           (Variant("headroom", driver_args=("--tx-hdr", "headroom"), reported="1 descriptor"),
            Variant("chain", driver_args=("--tx-hdr", "chain"), reported="2 descriptors"),
            Variant("indirect", driver_args=("--tx-hdr", "indirect"))),
           ("mpps", "descs_per_packet", "drops"), ("mpps",), devices=("ours", "dpdk"),
-          tx_hdr_fixed="its variants set --tx-hdr"),
+          tx_hdr_fixed="its variants set --tx-hdr", descs_per_packet=2),
     Study("hdr-init", "the driver's Tx header cleared once per packet (in place) vs once per burst (a template "
           "copied per packet) (--hdr-init)",
           "OVS, packet metadata initialised once per batch instead of once per packet: 11.30 -> 11.70 Mpps (+3.5%)",

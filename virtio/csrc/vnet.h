@@ -137,7 +137,7 @@ static inline int vn_tx_cleanup(struct vn_txq *t, uint32_t need)
 }
 
 /* The header into a buffer's headroom or a header slot: the burst's template (fixed-size moves; hs is 10 or 12,
- * NET-03), or, in the per-packet variant (headroom only), cleared in place for each packet. */
+ * NET-03), or, in the per-packet variant, cleared in place for each packet. */
 static inline void vn_hdr_put(uint8_t *d, const uint8_t *tmpl, uint32_t hs, int per_packet)
 {
     if (per_packet) {
@@ -157,7 +157,7 @@ static inline uint32_t vn_tx_segs(struct vn_txq *t, uint32_t b, uint32_t len)
     struct vn_pool *p = t->pool;
     uint16_t id = vn_next_id(t->q);
     uint8_t *h = t->hdr_host + (uint32_t)id * VN_HDR_SLOT;
-    vn_hdr_put(h, t->hdr_tmpl, t->hdr_size, 0);   /* NET-06/07/08: the burst's template (fixed-size moves) */
+    vn_hdr_put(h, t->hdr_tmpl, t->hdr_size, t->hdr_per_packet);   /* NET-06/07/08 */
     t->seg_addr[0] = t->hdr_gpa + (uint64_t)id * VN_HDR_SLOT;
     t->seg_len[0] = t->hdr_size;
     uint32_t n = 1, left = len;
