@@ -9,18 +9,26 @@ measured the same way, at the net_vhost port: its RX-packets counter sampled eve
 WARMUP samples dropped, the median of the rest reported. With ``--rounds N`` each path is measured N times
 (alternating ours / DPDK) and the median of the per-round medians is reported.
 
+Which side limits the loop: net_vhost runs with ``--record-burst-stats``; its forwarding statistics are cleared after
+the warm-up, and the share of its polls that found nothing (``net_vhost_bursts``: RX = dequeues from the driver's Tx
+ring, TX = enqueues into its Rx ring) is reported per driver. A device that rarely polls empty is the bottleneck; the
+same share of empty polls with both drivers and fewer packets with ours means more device time per packet.
+
     python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
+    python benchmarks/driver_vs_dpdk.py --paths split --driver-arg=--tx-hdr=chain    # our header in its own descriptor
 
 Prints one JSON document. Not a test.
 """
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -28,6 +36,25 @@ from vring import dpdk  # noqa: E402
 
 PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (True, False),
          "packed-inorder": (True, True)}
+
+
+def parse_bursts(text):
+    """testpmd's `show fwd stats all` burst lines (--record-burst-stats) -> {"RX": {...}, "TX": {...}}: the polls
+    counted, and the share of them per burst size ("0": found nothing). Sizes testpmd folds into "other" are left
+    out, so the shares may sum to less than 1."""
+    out = {}
+    for m in re.finditer(r"(RX|TX)-bursts\s*:\s*(\d+)\s*\[([^\]]*)\]", text):
+        sizes = {n: int(pct) / 100 for pct, n in re.findall(r"(\d+)% of (\d+) pkts", m.group(3))}
+        out[m.group(1)] = {"polls": int(m.group(2)), "share_by_size": sizes}
+    return out
+
+
+def device_bursts(tp, warmup_s):
+    """After warmup_s seconds: clear net_vhost's forwarding statistics (so that the polls made while it waited for the
+    driver do not count) and return a function reading them."""
+    time.sleep(warmup_s)
+    tp.command("clear fwd stats all")
+    return lambda: parse_bursts(tp.command("show fwd stats all"))
 
 
 def sample(tp, seconds, period, warmup, alive=lambda: True):
@@ -49,7 +76,9 @@ def measure_ours(tp, packed, in_order, args):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tp.wait_link_up(timeout=30)
-        r = sample(tp, args.seconds, args.period, args.warmup, alive=lambda: proc.poll() is None)
+        bursts = device_bursts(tp, args.warmup * args.period)
+        r = sample(tp, args.seconds, args.period, 0, alive=lambda: proc.poll() is None)
+        r["net_vhost_bursts"] = bursts()
         out, err = proc.communicate(timeout=total + 30)
         if proc.returncode:
             raise RuntimeError(f"vring driver failed: {err}")
@@ -76,7 +105,10 @@ def measure_dpdk(tp, packed, in_order, args):
             out = v.command(f"start tx_first {args.tx_first_bursts}")
             if "forwarding" not in out:
                 raise RuntimeError(f"testpmd did not start: {out[-300:]}")
-        return sample(tp, args.seconds, args.period, args.warmup)
+        bursts = device_bursts(tp, args.warmup * args.period)
+        r = sample(tp, args.seconds, args.period, 0)
+        r["net_vhost_bursts"] = bursts()
+        return r
     finally:
         v.close()
 
@@ -102,7 +134,8 @@ def main():
         rounds = []
         for _ in range(args.rounds):
             tmp = tempfile.mkdtemp(prefix="vring-bench-")
-            tp = dpdk.Testpmd.vhost(os.path.join(tmp, "vhost.sock"), fwd="mac", burst=args.burst, lcores=(1, 0))
+            tp = dpdk.Testpmd.vhost(os.path.join(tmp, "vhost.sock"), fwd="mac", burst=args.burst, lcores=(1, 0),
+                                    extra=["--record-burst-stats"])
             try:
                 tp.start(60)
                 tp.clear_stats()
@@ -116,8 +149,13 @@ def main():
         d = statistics.median(r["dpdk_virtio_user"]["median_pps"] for r in rounds)
         out["paths"][name] = {"vring_driver_pps": round(o), "dpdk_virtio_user_pps": round(d),
                               "ratio": round(o / d, 3) if d else None, "rounds": rounds}
+        empty = {who: statistics.median(r[who]["net_vhost_bursts"].get("RX", {}).get("share_by_size", {})
+                                        .get("0", float("nan")) for r in rounds)
+                 for who in ("vring_driver", "dpdk_virtio_user")}
+        out["paths"][name]["net_vhost_empty_dequeue_share"] = empty
         print(f"{name}: vring driver {o / 1e6:.3f} Mpps, DPDK virtio_user {d / 1e6:.3f} Mpps, "
-              f"ratio {o / d if d else float('nan'):.3f}", file=sys.stderr)
+              f"ratio {o / d if d else float('nan'):.3f}; net_vhost's dequeues found nothing in "
+              f"{empty['vring_driver']:.0%} / {empty['dpdk_virtio_user']:.0%} of its polls", file=sys.stderr)
     print(json.dumps(out, indent=1))
 
 
