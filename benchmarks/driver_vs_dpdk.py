@@ -12,7 +12,9 @@ WARMUP samples dropped, the median of the rest reported. With ``--rounds N`` eac
 Which side limits the loop: net_vhost runs with ``--record-burst-stats``; its forwarding statistics are cleared after
 the warm-up, and the share of its polls that found nothing (``net_vhost_bursts``: RX = dequeues from the driver's Tx
 ring, TX = enqueues into its Rx ring) is reported per driver. A device that rarely polls empty is the bottleneck; the
-same share of empty polls with both drivers and fewer packets with ours means more device time per packet.
+same share of empty polls with both drivers and fewer packets with ours means more device time per packet. It is a
+share of polls, not of time: an empty poll costs far less than a full burst. The two drivers run one after the other,
+so on a machine whose speed changes between runs compare them with `vring bench --pairs ours/dpdk,dpdk/dpdk`.
 
     python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
     python benchmarks/driver_vs_dpdk.py --paths split --driver-arg=--tx-hdr=chain    # our header in its own descriptor
