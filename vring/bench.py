@@ -55,6 +55,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from virtio.net import TX_HDR   # vring driver --tx-hdr
+
 PATHS = {  # name -> (packed, in_order)
     "split-normal": (False, False),
     "split-in-order": (False, True),
@@ -63,7 +65,6 @@ PATHS = {  # name -> (packed, in_order)
 }
 PAIRS = ("ours/ours", "dpdk/dpdk", "ours/dpdk", "dpdk/ours")   # driver/device
 MODES = ("poll", "notify")
-TX_HDR = ("headroom", "chain", "indirect")   # vring driver --tx-hdr (virtio.net.TX_HDR)
 MIN_PKT, MAX_PKT, MAX_PKT_DPDK = 60, 9000, 1518
 MAX_RATE = 100e6
 PCTS = ("p50", "p99", "p99.9")

@@ -141,13 +141,13 @@ def config_from_args(args):
         study.check_pairs(pairs)
         if study.tx_hdr_fixed and args.tx_hdr != "headroom":
             raise ValueError(f"--study {args.study}: {study.tx_hdr_fixed}; no --tx-hdr {args.tx_hdr}")
-        need = study.descs_per_packet * args.inject
-        if args.ring_size is None and study.descs_per_packet > 1:
-            ring = max(256, 1 << (need - 1).bit_length())
-        elif args.ring_size is not None and args.ring_size < need:
-            raise ValueError(f"--study {args.study}: a variant takes {study.descs_per_packet} descriptors a packet; "
-                             f"--ring-size must be at least {study.descs_per_packet} x --inject ({need}) for every "
-                             f"variant to have all its packets in flight")
+        k = study.descs_per_packet
+        if k > 1 and args.ring_size is None:
+            ring = max(256, 1 << (k * args.inject - 1).bit_length())
+        elif k > 1 and args.ring_size < k * args.inject:
+            raise ValueError(f"--study {args.study}: a variant takes {k} descriptors a packet; --ring-size must be at "
+                             f"least {k} x --inject ({k * args.inject}) for every variant to have all its packets "
+                             f"in flight")
         if args.modes is not None or args.notify:
             raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
         paths = paths or list(study.default_paths)
