@@ -214,6 +214,8 @@ def _processes_mentioning(text):
     (["--study", "hdr-prepend", "--tx-hdr", "chain"], "its variants set --tx-hdr"),
     (["--study", "hdr-init", "--tx-hdr", "indirect"], "both variants write the header into the headroom"),
     (["--study", "hdr-prepend", "--ring-size", "256"], "--ring-size must be at least 2 x --inject (512)"),
+    (["--tx-hdr", "chain", "--ring-size", "128"], "--ring-size must be at least 2 x --inject (512)"),
+    (["--ring-size", "0"], "power of two"),
     (["--pairs", "dpdk/dpdk,dpdk/ours", "--tx-hdr", "chain"], "no pair here runs our driver"),
     (["--study", "tx-cleanup", "--pairs", "ours/dpdk"], "ours/ours only, not ours/dpdk"),
     (["--study", "hdr-prepend", "--pairs", "dpdk/ours"], "ours/ours and ours/dpdk only, not dpdk/ours"),

@@ -78,6 +78,22 @@ def test_net_06_header_slot_written_exactly(hdr, hdr_init, legacy):
     nq.close()
 
 
+@pytest.mark.parametrize("hdr", ["chain", "indirect"])
+def test_full_ring_leaves_in_flight_header_slots_alone(variant, hdr):
+    """A packet that does not fit a full ring writes no header slot: the next id's slot still belongs to a buffer
+    in flight, which the device may be reading."""
+    nq, dev = make(variant, hdr=hdr)
+    fit = nq.size // (2 if hdr == "chain" else 1)
+    idx, lens = frames(nq, fit)
+    assert nq.tx.burst(idx, lens) == fit and nq.tx.vq.num_free == 0
+    nq.mem.hdr_view[:] = 0xAA   # stands for what the device reads: must not change while in flight
+    extra, elens = frames(nq, 1)
+    assert nq.tx.burst(extra, elens) == 0
+    assert (nq.mem.hdr_view == 0xAA).all()
+    nq.pool.free(extra)
+    nq.close()
+
+
 @pytest.mark.parametrize("hdr_init", ["burst", "packet"])
 def test_net_06_hdr_init_variants_clear_the_whole_header(variant, hdr_init):
     nq, dev = make(variant, hdr_init=hdr_init)

@@ -141,16 +141,18 @@ def config_from_args(args):
         study.check_pairs(pairs)
         if study.tx_hdr_fixed and args.tx_hdr != "headroom":
             raise ValueError(f"--study {args.study}: {study.tx_hdr_fixed}; no --tx-hdr {args.tx_hdr}")
-        k = study.descs_per_packet
-        if k > 1 and args.ring_size is None:
-            ring = max(256, 1 << (k * args.inject - 1).bit_length())
-        elif k > 1 and args.ring_size < k * args.inject:
-            raise ValueError(f"--study {args.study}: a variant takes {k} descriptors a packet; --ring-size must be at "
-                             f"least {k} x --inject ({k * args.inject}) for every variant to have all its packets "
-                             f"in flight")
         if args.modes is not None or args.notify:
             raise ValueError(f"--study {args.study} sets its own mode ({study.mode})")
         paths = paths or list(study.default_paths)
+    # chains of two descriptors a packet (--tx-hdr chain, or a study's variant): rings of twice --inject, so that
+    # every packet injected can be in flight
+    k = max(studies.get(args.study).descs_per_packet if args.study else 1, 2 if args.tx_hdr == "chain" else 1)
+    if k > 1 and ring is None:
+        ring = max(256, 1 << (k * args.inject - 1).bit_length())
+    elif k > 1 and ring < k * args.inject:
+        raise ValueError(f"{'--study ' + args.study if args.study else '--tx-hdr chain'} takes {k} descriptors a "
+                         f"packet: --ring-size must be at least {k} x --inject ({k * args.inject}) for every packet "
+                         f"injected to be in flight")
     if args.cpus:
         try:
             dev_cpu, drv_cpu = (int(x) for x in args.cpus.split(","))
@@ -162,7 +164,7 @@ def config_from_args(args):
     modes = _modes(args)
     idle = args.idle if args.idle is not None else (2.0 if "notify" in modes else 0.0)
     cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
-                            burst=args.burst, ring_size=ring or 256, inject=args.inject, retries=args.retries,
+                            burst=args.burst, ring_size=256 if ring is None else ring, inject=args.inject, retries=args.retries,
                             txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr,
                             seconds=args.seconds, warmup=args.warmup, interval=args.interval, repeat=args.repeat,
                             device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,

@@ -156,8 +156,6 @@ static inline uint32_t vn_tx_segs(struct vn_txq *t, uint32_t b, uint32_t len)
 {
     struct vn_pool *p = t->pool;
     uint16_t id = vn_next_id(t->q);
-    uint8_t *h = t->hdr_host + (uint32_t)id * VN_HDR_SLOT;
-    vn_hdr_put(h, t->hdr_tmpl, t->hdr_size, t->hdr_per_packet);   /* NET-06/07/08 */
     t->seg_addr[0] = t->hdr_gpa + (uint64_t)id * VN_HDR_SLOT;
     t->seg_len[0] = t->hdr_size;
     uint32_t n = 1, left = len;
@@ -265,8 +263,14 @@ static inline int vn_tx_one(struct vn_txq *t, uint32_t b, uint32_t l)
             t->errors++;
             return -1;
         }
-        full = q->packed ? vq_drv_add1_packed(q, t->seg_addr, t->seg_len, k, k, b)
-                         : vq_drv_add1_split(q, t->seg_addr, t->seg_len, k, k, b);
+        /* the header slot of the id this add takes (NET-06/07/08), written only once the ring has room: with
+         * the ring full, that id still belongs to a buffer in flight */
+        full = vq_drv_needed(q, k) > q->num_free;
+        if (!full) {
+            vn_hdr_put(t->hdr_host + (uint32_t)vn_next_id(q) * VN_HDR_SLOT, t->hdr_tmpl, hs, t->hdr_per_packet);
+            full = q->packed ? vq_drv_add1_packed(q, t->seg_addr, t->seg_len, k, k, b)
+                             : vq_drv_add1_split(q, t->seg_addr, t->seg_len, k, k, b);
+        }
         t->slow += !full;
     }
     if (!full)
