@@ -780,12 +780,13 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
 }
 
 /* The fast paths of the device poll: runs of one-descriptor chains (neither NEXT nor INDIRECT, what a
- * virtio-net driver posts almost always), with the checks of the general walk in its order. Two passes over at
- * most VQ_RUN chains: the first reads and checks descriptors into local arrays (marking each id in flight at once,
- * so that an id repeated within the run is ID_IN_USE), the second writes what vq_dev_emit + vq_dev_finish_chain
- * would have, column by column. Every field sits in a local: a store through a uint8_t array (seg_write,
- * id_inflight) may alias anything, so fields read through q or c would be reloaded after each one, and one loop
- * writing all the columns would keep more pointers live than there are registers. */
+ * virtio-net driver posts almost always), and runs of two-descriptor direct chains (a header and a frame, what a
+ * driver posts when the header is not in the frame's headroom), with the checks of the general walk in its order.
+ * Two passes over at most VQ_RUN chains: the first reads and checks descriptors into local arrays
+ * (marking each id in flight at once, so that an id repeated within the run is ID_IN_USE), the second writes what
+ * vq_dev_emit + vq_dev_finish_chain would have, column by column. Every field sits in a local: a store through a
+ * uint8_t array (seg_write, id_inflight) may alias anything, so fields read through q or c would be reloaded
+ * after each one, and one loop writing all the columns would keep more pointers live than there are registers. */
 #define VQ_RUN 32
 
 /* vq_translate with region 0 held in locals (struct vq_reg0): the one region of a usual memory table. */
@@ -818,6 +819,30 @@ struct vq_run {
     uint8_t write[VQ_RUN];
 };
 
+/* The end of a run's second pass: its n chains (nseg segments, one ring slot each) are in c; count them in flight,
+ * in the in-order fifo too. */
+static inline void vq_run_commit(struct vq_device *q, struct vq_chains *c, const uint16_t *ids, uint32_t n,
+                                 uint32_t nseg)
+{
+    if (q->in_order) {
+        uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count, j;   /* no divide: both are < size */
+        uint16_t *fifo = q->fifo, size = q->size;
+        if (tail >= size)
+            tail -= size;
+        for (j = 0; j < n; j++) {
+            fifo[tail] = ids[j];
+            if (++tail == size)
+                tail = 0;
+        }
+        q->fifo_count += (uint16_t)n;
+    }
+    c->n += n;
+    c->nsegs += nseg;
+    q->inflight += (uint16_t)n;
+    if (q->packed)
+        q->inflight_slots += nseg;   /* checked against the ring size while taken */
+}
+
 static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const struct vq_run *r)
 {
     uint32_t n = r->n, k0 = c->n, s0 = c->nsegs, j;
@@ -841,23 +866,60 @@ static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const
     memcpy(c->seg_write + s0, r->write, n);
     if (c->seg_host)
         memcpy(c->seg_host + s0, r->host, n * sizeof *r->host);
-    if (q->in_order) {
-        uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count;   /* no divide: both are < size */
-        uint16_t *fifo = q->fifo, size = q->size;
-        if (tail >= size)
-            tail -= size;
-        for (j = 0; j < n; j++) {
-            fifo[tail] = r->id[j];
-            if (++tail == size)
-                tail = 0;
-        }
-        q->fifo_count += (uint16_t)n;
+    vq_run_commit(q, c, r->id, n, n);
+}
+
+/* A run of two-descriptor chains: chain j is segments 2j and 2j + 1. */
+struct vq_pairs {
+    uint32_t n;
+    uint16_t id[VQ_RUN];
+    uint32_t len[2 * VQ_RUN];
+    uint64_t addr[2 * VQ_RUN];
+    uint8_t *host[2 * VQ_RUN];
+    uint8_t write[2 * VQ_RUN];
+};
+
+static inline void vq_pairs_record(struct vq_device *q, struct vq_chains *c, const struct vq_pairs *r)
+{
+    uint32_t n = r->n, k0 = c->n, s0 = c->nsegs, j;
+    uint16_t *cid = c->id + k0, *cndesc = c->ndesc + k0, *cnseg = c->nseg + k0, *id_ndesc = q->id_ndesc;
+    uint32_t *cstart = c->seg_start + k0, *crlen = c->rlen + k0, *cwlen = c->wlen + k0, *id_wlen = q->id_wlen;
+    for (j = 0; j < n; j++) {
+        cid[j] = r->id[j]; cndesc[j] = 2; cnseg[j] = 2; cstart[j] = s0 + 2 * j;
     }
-    c->n = k0 + n;
-    c->nsegs = s0 + n;
-    q->inflight += (uint16_t)n;
-    if (q->packed)
-        q->inflight_slots += n;   /* one slot each, checked against the ring size while taken */
+    for (j = 0; j < n; j++) {   /* no overflow: vq_pair_take checked the sums */
+        uint32_t l0 = r->len[2 * j], l1 = r->len[2 * j + 1], w0 = r->write[2 * j], w1 = r->write[2 * j + 1];
+        uint32_t wl = (w0 ? l0 : 0) + (w1 ? l1 : 0);
+        crlen[j] = l0 + l1 - wl; cwlen[j] = wl;
+        id_ndesc[r->id[j]] = 2;
+        id_wlen[r->id[j]] = wl;
+    }
+    memcpy(c->seg_len + s0, r->len, 2 * n * sizeof *r->len);
+    memcpy(c->seg_addr + s0, r->addr, 2 * n * sizeof *r->addr);
+    memcpy(c->seg_write + s0, r->write, 2 * n);
+    if (c->seg_host)
+        memcpy(c->seg_host + s0, r->host, 2 * n * sizeof *r->host);
+    vq_run_commit(q, c, r->id, n, 2 * n);
+}
+
+/* The two descriptors of a direct chain, read: take them into the run as its chain r->n if the general walk
+ * would accept them (the first NEXT and not INDIRECT, the second neither; readable before writable; the sums
+ * within 32 bits, SPLIT-D-04; both inside guest memory). 1 taken, 0 left to the general walk. */
+static inline int vq_pair_take(struct vq_pairs *r, const struct vq_reg0 *r0, const struct vq_mem *mem,
+                               uint16_t f0, uint64_t a0, uint32_t l0, uint16_t f1, uint64_t a1, uint32_t l1)
+{
+    int w0 = !!(f0 & VIRTQ_DESC_F_WRITE), w1 = !!(f1 & VIRTQ_DESC_F_WRITE);
+    if ((f0 & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) != VIRTQ_DESC_F_NEXT
+            || (f1 & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) || (w0 && !w1)
+            || (w0 == w1 && (uint64_t)l0 + l1 > 0xffffffffu))
+        return 0;
+    uint8_t *h0 = vq_translate0(r0, mem, a0, l0), *h1 = vq_translate0(r0, mem, a1, l1);
+    if (!h0 || !h1)
+        return 0;
+    uint32_t s = 2 * r->n;
+    r->addr[s] = a0; r->len[s] = l0; r->host[s] = h0; r->write[s] = (uint8_t)w0;
+    r->addr[s + 1] = a1; r->len[s + 1] = l1; r->host[s + 1] = h1; r->write[s + 1] = (uint8_t)w1;
+    return 1;
 }
 
 /* Split: one-descriptor chains from last_avail up to avail_idx (already checked against the jump rule).
@@ -977,6 +1039,114 @@ static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c,
     return rc;
 }
 
+/* Split: two-descriptor direct chains from last_avail up to avail_idx. A chain of another shape, or one a check
+ * of the general walk would refuse (SPLIT-V-13 head, ID_IN_USE, next out of range, vq_pair_take), ends the run:
+ * it is left to the general walk, which reports what fails. Stops when c is full too. Returns the chains taken. */
+static inline uint32_t vq_dev_pairs_split(struct vq_device *q, struct vq_chains *c, uint32_t lim, uint16_t avail_idx)
+{
+    const struct vring_desc *desc = q->desc;
+    const uint16_t *ring = q->avail->ring;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t last = q->last_avail, mask = q->size - 1, size = q->size;
+    uint32_t taken = 0;
+    int more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && last != avail_idx && c->n < lim) {
+        struct vq_pairs r;
+        uint32_t m = lim - c->n, room = (c->cap_segs - c->nsegs) / 2;
+        if (m > room)
+            m = room;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        if (m == 0)
+            break;
+        for (r.n = 0; r.n < m && last != avail_idx; r.n++, last++) {
+            uint16_t head = VQ_ONCE(ring[last & mask]);
+            if (head >= size || id_inflight[head]) {
+                more = 0;
+                break;
+            }
+            uint16_t f0 = VQ_ONCE(desc[head].flags), nx = VQ_ONCE(desc[head].next);
+            if (nx >= size) {
+                more = 0;
+                break;
+            }
+            uint64_t a0 = VQ_ONCE(desc[head].addr), a1 = VQ_ONCE(desc[nx].addr);
+            uint32_t l0 = VQ_ONCE(desc[head].len), l1 = VQ_ONCE(desc[nx].len);
+            uint16_t f1 = VQ_ONCE(desc[nx].flags);
+            if (!vq_pair_take(&r, &r0, mem, f0, a0, l0, f1, a1, l1)) {
+                more = 0;
+                break;
+            }
+            id_inflight[head] = 1;
+            r.id[r.n] = head;
+        }
+        vq_pairs_record(q, c, &r);
+        taken += r.n;
+    }
+    q->last_avail = last;
+    return taken;
+}
+
+/* Packed: two-descriptor chains from slot last_avail while available (PACKED-V-18); the id is the second's
+ * (PACKED-V-10). As vq_dev_pairs_split, a chain the general walk would refuse ends the run. Returns the chains
+ * taken. */
+static inline uint32_t vq_dev_pairs_packed(struct vq_device *q, struct vq_chains *c, uint32_t lim)
+{
+    const struct vring_packed_desc *ring = q->pdesc;
+    const struct vq_mem *mem = q->mem;
+    struct vq_reg0 r0;
+    uint8_t *id_inflight = q->id_inflight;
+    uint16_t slot = q->last_avail, w = q->avail_wrap, size = q->size;
+    uint32_t taken = 0;
+    int more = 1;
+    vq_reg0_load(&r0, mem);
+    while (more && c->n < lim) {
+        struct vq_pairs r;
+        uint32_t m = lim - c->n, room = (c->cap_segs - c->nsegs) / 2;
+        if (m > room)
+            m = room;
+        if (m > VQ_RUN)
+            m = VQ_RUN;
+        if (m == 0)
+            break;
+        for (r.n = 0; r.n < m; r.n++) {
+            const struct vring_packed_desc *d0 = &ring[slot];
+            uint16_t f0 = VQ_ACQUIRE(d0->flags);
+            /* PACKED-V-18: available iff AVAIL == wrap and USED != wrap; NEXT and not INDIRECT; and PACKED-D-11/05 */
+            if ((f0 & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED | VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT))
+                    != (vq_avail_bits(w) | VIRTQ_DESC_F_NEXT) || q->inflight_slots + 2 * r.n + 2 > size) {
+                more = 0;
+                break;
+            }
+            uint16_t slot1 = slot + 1 == size ? 0 : slot + 1;
+            const struct vring_packed_desc *d1 = &ring[slot1];
+            uint64_t a0 = VQ_ONCE(d0->addr), a1 = VQ_ONCE(d1->addr);
+            uint32_t l0 = VQ_ONCE(d0->len), l1 = VQ_ONCE(d1->len);
+            uint16_t id = VQ_ONCE(d1->id), f1 = VQ_ONCE(d1->flags);
+            if (id >= size || id_inflight[id] || !vq_pair_take(&r, &r0, mem, f0, a0, l0, f1, a1, l1)) {
+                more = 0;
+                break;
+            }
+            id_inflight[id] = 1;
+            r.id[r.n] = id;
+            for (int t = 0; t < 2; t++) {
+                if (++slot == size) {
+                    slot = 0;
+                    w ^= 1;
+                }
+            }
+        }
+        vq_pairs_record(q, c, &r);
+        taken += r.n;
+    }
+    q->last_avail = slot;
+    q->avail_wrap = w;
+    return taken;
+}
+
 /* Split: parse the chain at head into c. 0 ok, 1 no room, -1 broken. */
 static inline int vq_dev_chain_split(struct vq_device *q, struct vq_chains *c, uint16_t head)
 {
@@ -1041,6 +1211,8 @@ static inline int vq_dev_poll_split(struct vq_device *q, struct vq_chains *c, ui
             return vq_dev_fail(q, VQ_ERR_ID_IN_USE, head, q->last_avail);
         if (!(VQ_ONCE(q->desc[head].flags) & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)))
             break;   /* a simple chain the fast path left: no room for its segment */
+        if (vq_dev_pairs_split(q, c, lim, avail_idx))
+            continue;
         int r = vq_dev_chain_split(q, c, head);
         if (r < 0)
             return -1;
@@ -1120,6 +1292,8 @@ static inline int vq_dev_poll_packed(struct vq_device *q, struct vq_chains *c, u
             break;
         if (!(flags & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)))
             break;   /* a simple chain the fast path left: no room for its segment */
+        if (vq_dev_pairs_packed(q, c, lim))
+            continue;
         int r = vq_dev_chain_packed(q, c, &ndesc);
         if (r < 0)
             return -1;
