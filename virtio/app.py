@@ -42,7 +42,7 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_MASK, Ledger
-from .net import NetQueues
+from .net import NetQueues, check_tx_frame, frame_segments
 from .session import Session
 
 
@@ -87,6 +87,20 @@ class DriverConfig:
     reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
     server: bool = False      # listen on socket; the backend connects (and reconnects)
     inflight: bool | None = None  # negotiate INFLIGHT_SHMFD when offered; None: only with reconnect or server
+
+    def features(self):
+        """The virtio features asked for; negotiation gives exactly these (each one is required) or fails."""
+        return want_features(VERSION_1=self.version_1, RING_PACKED=self.packed, IN_ORDER=self.in_order,
+                             MRG_RXBUF=self.mrg_rxbuf, EVENT_IDX=self.event_idx, INDIRECT_DESC=self.indirect)
+
+    def check(self):
+        """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why)."""
+        frame = max(self.pkt_size, packets.MIN_SIZE)
+        # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
+        # a macfwd without --count forwards what it receives, whatever its size
+        if self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0):
+            check_tx_frame(frame, self.features(), self.ring_size, self.buf_size, hdr=self.tx_hdr,
+                           force_slow=self.force_slow)
 
 
 def pin_all_threads(cpu):
@@ -153,8 +167,8 @@ def run(cfg: DriverConfig, on_ready=None):
         raise ValueError(f"unknown mode {cfg.mode!r}")
     if cfg.mode == "rate" and not cfg.rate > 0:
         raise ValueError("rate mode needs a rate > 0 (frames per second)")
-    want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
-                         MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
+    cfg.check()
+    want = cfg.features()
     events = _event_printer() if cfg.reconnect or cfg.server else None
     sess = Session(cfg.socket, want, server=cfg.server, reconnect=cfg.reconnect, timeout=cfg.timeout,
                    inflight=(cfg.reconnect or cfg.server) if cfg.inflight is None else cfg.inflight, events=events)
@@ -168,7 +182,7 @@ def run(cfg: DriverConfig, on_ready=None):
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         features = sess.establish(up_until, lambda: stop.flag)
-        segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
+        segs = frame_segments(max(cfg.pkt_size, packets.MIN_SIZE), cfg.buf_size)
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
                        callfds=fe.callfds, force_slow=cfg.force_slow, hdr=cfg.tx_hdr,
@@ -323,13 +337,15 @@ class _Loop:
                 self.pcap.write(self.nq.pool.data(b), t)
 
     def _send_all(self, k, deadline):
-        """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest."""
+        """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest. A packet the queue
+        refused (a Tx error: it will never fit) ends the attempt at once."""
         self._cap(self.idx[:k])
         tx, sent = self.nq.tx, 0
         while sent < k:
+            errors = tx.c.errors
             sent += tx.burst(self.idx[sent:k], self.lens[sent:k])
             if sent < k:
-                if time.monotonic() > deadline or self.stop.flag:
+                if time.monotonic() > deadline or self.stop.flag or tx.c.errors != errors:
                     self.nq.pool.free(self.idx[sent:k])
                     self.tx_fail += k - sent
                     break
@@ -406,7 +422,7 @@ class _Loop:
                 k = self._gen(min(cfg.burst, left))
                 if k == 0:
                     break
-                self.injected += self._send_all(k, time.monotonic() + cfg.timeout)
+                self.injected += self._send_all(k, min(deadline, time.monotonic() + cfg.timeout))
                 left -= k
         while True:
             try:

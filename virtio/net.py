@@ -21,11 +21,13 @@ from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F
 from rings.shm import MemoryTable, ShmRegion
 
 from ._net import ffi, lib
-from .pool import BufferPool
+from .pool import BufferPool, check_geometry
 
 GPA_BASE = 0x100000000     # like virtio_user's --no-huge memory: gpa == uaddr, a fixed base
 PAGE = 4096
 HDR_SLOT = 16              # VN_HDR_SLOT in csrc/vnet.h
+HEADROOM = 128             # pool buffers: the Tx header's room on the fast path, where the Rx header lands
+INDIRECT_MAX = 8           # entries of a Tx indirect table; a longer chain goes directly into the ring
 RXQ, TXQ = 0, 1            # NET-04: receiveq1 = 0, transmitq1 = 1
 
 
@@ -50,7 +52,8 @@ class GuestMemory:
     """One size-sealed memfd holding both rings, the Tx header area, indirect tables and the pool. The backend
     gets its fd writable but can neither shrink it under our mapping (SIGBUS) nor unseal it."""
 
-    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=128, indirect_max=8, gpa_base=GPA_BASE):
+    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=HEADROOM, indirect_max=INDIRECT_MAX,
+                 gpa_base=GPA_BASE):
         ring = align_up(QueueLayout.bytes_needed(fmt, size), PAGE)
         off = 0
         self.rx_off, off = off, off + ring
@@ -92,6 +95,47 @@ def _choice(what, value, allowed):
     if value not in allowed:
         raise ConfigError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
     return value
+
+
+def frame_segments(frame_len, buf_size, headroom=HEADROOM):
+    """Pool buffers a frame the driver builds takes (vn_gen: ``buf_size - headroom`` data bytes in each)."""
+    check_geometry(buf_size, headroom)
+    return max(1, -(-frame_len // (buf_size - headroom)))
+
+
+def tx_descs(frame_len, features, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
+             indirect_max=INDIRECT_MAX):
+    """What one frame of ``frame_len`` bytes built in pool buffers takes on transmitq, as (chain, slots): the
+    descriptors the device walks (an indirect table's entries included) and the ring descriptors it occupies.
+
+    One segment with the header in its headroom: one descriptor. Otherwise (several segments, --tx-hdr chain or
+    indirect, the slow path) a header descriptor, then one per segment; with VIRTIO_F_INDIRECT_DESC negotiated and
+    the header not chained, a chain of at most ``indirect_max`` fills one indirect table (one ring slot) and a
+    longer one goes directly into the ring (vq_drv_needed)."""
+    segs = frame_segments(frame_len, buf_size, headroom)
+    if segs == 1 and hdr == "headroom" and not force_slow:
+        return 1, 1
+    chain = 1 + segs
+    indirect = has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain"
+    return chain, 1 if indirect and chain <= indirect_max else chain
+
+
+def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
+                   indirect_max=INDIRECT_MAX):
+    """ConfigError, with the reason, when such frames can never be sent on a queue of ``size``: a chain longer
+    than the queue size is forbidden, an indirect table's entries included (SPLIT-D-05, PACKED-D-09/19), and
+    vn_tx_one refuses it (the packet would be retried forever). Returns (chain, slots) otherwise."""
+    chain, slots = tx_descs(frame_len, features, buf_size, headroom, hdr, force_slow, min(indirect_max, size))
+    if chain <= size:
+        return chain, slots
+    room = buf_size - headroom
+    how = " in one indirect table" if slots == 1 else ""
+    fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
+    raise ConfigError(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({chain - 1} buffers "
+                      f"of {room} data bytes + 1 for the virtio-net header), more than the queue size {size}: no "
+                      f"chain may be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of "
+                      f"at least {1 << (chain - 1).bit_length()}"
+                      + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""))
 
 
 class TxQueue:
@@ -300,12 +344,14 @@ class NetQueues:
     """Guest memory + one Rx/Tx queue pair for negotiated ``features`` (the data path without the transport).
     ``kickfds``/``callfds``: eventfds per queue index (RXQ, TXQ) or None (tests, polling only)."""
 
-    def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=128,
-                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=8, **tx_variants):
+    def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=HEADROOM,
+                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=INDIRECT_MAX,
+                 **tx_variants):
         fmt = fmt or ("packed" if has(features, VIRTIO_F_RING_PACKED) else "split")
         self.features, self.fmt, self.size, self.burst = features, fmt, size, burst
         nbufs = nbufs or max(4096, 4 * size + 8 * burst)
-        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, indirect_max)
+        # an indirect table holds at most the queue size (SPLIT-D-05); the engine refuses larger ones
+        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, min(indirect_max, size))
         self.pool = self.mem.pool
         self.rx = RxQueue(self.mem, features, burst, kickfd=kickfds[RXQ], callfd=callfds[RXQ])
         self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow, **tx_variants)
