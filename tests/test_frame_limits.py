@@ -117,3 +117,41 @@ def test_a_refused_injection_is_not_retried():
         assert nq.pool.available == free + 9
     finally:
         nq.close()
+
+
+@pytest.mark.parametrize("mode", [("--mode", "macfwd", "--count", 8), ("--mode", "rate", "--rate", 1000),
+                                  ("--mode", "rxonly", "--verify")], ids=["macfwd", "rate", "rxonly-verify"])
+def test_net_27_without_mrg_rxbuf_a_frame_larger_than_an_rx_buffer_is_refused(server, sock_path, mode):
+    """Without MRG_RXBUF the device puts each frame into one Rx buffer (1932 bytes: 2048 - 128 headroom + the
+    12-byte header) and drops what does not fit: the run used to lose every frame and exit 0."""
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1921, "--seconds", 1, *mode)
+    assert rc == 2 and out == "", (rc, out[-300:], err)
+    assert ("vring driver: ConfigError: a 1921-byte frame and its 12-byte header do not fit one 1932-byte Rx "
+            "buffer") in err and "NET-27" in err and "buffer size of at least 2112" in err, err
+    assert server.server.connections == 0, "refused before connecting"
+
+
+def test_net_27_without_mrg_rxbuf_a_frame_that_fills_an_rx_buffer_arrives(server, sock_path):
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1920, "--count", 8, "--seconds", 0.5,
+                          "--verify")
+    res = json.loads(out)
+    assert rc == 0 and res["warnings"] == [], err
+    assert res["rx"]["packets"] >= 8 and res["rx"]["merged"] == 0
+    assert res["verify"]["bad"] == 0 and res["verify"]["missing"] == 0, res["verify"]
+
+
+@pytest.mark.parametrize("mrg", [False, True], ids=["no_mrg_rxbuf", "mrg_rxbuf"])
+def test_net_24_small_rx_buffers_without_mrg_rxbuf_are_a_warning(server, sock_path, mrg):
+    """140-byte Rx buffers: below NET-24's 1526 without MRG_RXBUF (a SHOULD): the run goes on, the frames fit and
+    arrive, and the report says so. With MRG_RXBUF larger frames would span buffers: no warning."""
+    rc, out, err = driver(sock_path, "--mrg-rxbuf" if mrg else "--no-mrg-rxbuf", "--buf-size", BUF, "--pkt-size",
+                          64, "--count", 8, "--seconds", 0.5, "--verify")
+    res = json.loads(out)
+    assert rc == 0, err
+    assert res["rx"]["packets"] >= 8 and res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0
+    if mrg:
+        assert res["warnings"] == [] and "warning" not in err, err
+    else:
+        want = "Rx buffers of 140 bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least 1526"
+        assert len(res["warnings"]) == 1 and res["warnings"][0].startswith(want), res["warnings"]
+        assert f"vring driver: warning: {want}" in err, err

@@ -42,7 +42,7 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_MASK, Ledger
-from .net import NetQueues, check_tx_frame, frame_segments
+from .net import NetQueues, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
 
@@ -94,13 +94,18 @@ class DriverConfig:
                              MRG_RXBUF=self.mrg_rxbuf, EVENT_IDX=self.event_idx, INDIRECT_DESC=self.indirect)
 
     def check(self):
-        """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why)."""
-        frame = max(self.pkt_size, packets.MIN_SIZE)
+        """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
+        returns warnings (spec SHOULDs the configuration does not meet)."""
+        frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
         # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
         # a macfwd without --count forwards what it receives, whatever its size
-        if self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0):
-            check_tx_frame(frame, self.features(), self.ring_size, self.buf_size, hdr=self.tx_hdr,
+        builds = self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0)
+        if builds:
+            check_tx_frame(frame, features, self.ring_size, self.buf_size, hdr=self.tx_hdr,
                            force_slow=self.force_slow)
+        # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
+        receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
+        return check_rx_frame(frame if receives else None, features, self.buf_size)
 
 
 def pin_all_threads(cpu):
@@ -167,7 +172,9 @@ def run(cfg: DriverConfig, on_ready=None):
         raise ValueError(f"unknown mode {cfg.mode!r}")
     if cfg.mode == "rate" and not cfg.rate > 0:
         raise ValueError("rate mode needs a rate > 0 (frames per second)")
-    cfg.check()
+    warnings = cfg.check()
+    for w in warnings:
+        print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
     want = cfg.features()
     events = _event_printer() if cfg.reconnect or cfg.server else None
     sess = Session(cfg.socket, want, server=cfg.server, reconnect=cfg.reconnect, timeout=cfg.timeout,
@@ -177,7 +184,7 @@ def run(cfg: DriverConfig, on_ready=None):
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     wakeup = _SignalWakeup()
-    result = {"config": asdict(cfg)}
+    result = {"config": asdict(cfg), "warnings": warnings}
     try:
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")

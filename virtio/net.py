@@ -138,6 +138,35 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
                       + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""))
 
 
+#: NET-24: without MRG_RXBUF, GUEST_TSO4/TSO6/UFO/USO4/USO6 and HASH_REPORT (this driver never negotiates the
+#: last ones) Rx buffers SHOULD hold at least 1526 bytes: a 1514-byte frame and its 12-byte header.
+NET_24_RX_MIN = 1526
+
+
+def rx_buffer_len(features, buf_size=2048, headroom=HEADROOM):
+    """The bytes of one posted Rx buffer: the header lands in the headroom, the frame after it."""
+    check_geometry(buf_size, headroom)
+    return buf_size - headroom + net_hdr_size(features)
+
+
+def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM):
+    """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
+    fit: ConfigError, with the reason, when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit.
+    Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole)."""
+    if has(features, VIRTIO_NET_F_MRG_RXBUF):
+        return []
+    post, hs = rx_buffer_len(features, buf_size, headroom), net_hdr_size(features)
+    if frame_len is not None and frame_len + hs > post:
+        raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx buffer, "
+                          f"and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame (NET-27): every "
+                          f"frame would be dropped; negotiate MRG_RXBUF or use a buffer size of at least "
+                          f"{align_up(frame_len + headroom, 64)}")
+    if post < NET_24_RX_MIN:
+        return [f"Rx buffers of {post} bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least "
+                f"{NET_24_RX_MIN} (a 1514-byte frame and its header); larger frames will be dropped by the device"]
+    return []
+
+
 class TxQueue:
     """transmitq1 over a rings DriverQueue. ``burst(indices, lengths, more=False)`` -> packets queued.
     ``hdr``, ``hdr_init``, ``doorbell``: the Tx variants (TX_HDR, HDR_INIT, DOORBELL), fixed here."""
@@ -267,7 +296,7 @@ class RxQueue:
         r.pool = mem.pool.c
         r.hdr_size = self.hdr_size
         r.mrg = int(self.mrg)
-        r.post_len = mem.pool.buf_size - mem.pool.headroom + self.hdr_size
+        r.post_len = rx_buffer_len(features, mem.pool.buf_size, mem.pool.headroom)
         r.refill_thresh = max(1, min(burst, n))
         r.kickfd = -1 if kickfd is None else kickfd
         r.tok, r.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
