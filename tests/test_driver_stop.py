@@ -13,6 +13,8 @@ import pytest
 from vhost.datapath import Options
 from vhost.testing import ThreadedServer
 
+from tests.procs import collect
+
 
 def driver(sock, *args):
     argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--json", *map(str, args)]
@@ -68,6 +70,39 @@ def test_wait_honours_seconds_within_100ms(server, sock):
     res = json.loads(out)
     assert res["stop"]["reason"] == "seconds" and res["stop"]["latency_s"] < 0.1, res["stop"]
     assert res["elapsed_s"] < 0.8, res["elapsed_s"]                   # was overrunning by ~20 s
+
+
+SPIN = 1 << 31   # the largest --spin: about 100 s of empty polls
+
+
+@pytest.mark.parametrize("mode", [("macfwd",), ("macfwd", "--count", 32), ("rxonly",), ("macfwd", "--wait")],
+                         ids=["macfwd", "macfwd-traffic", "rxonly", "macfwd-wait"])
+def test_polling_honours_seconds_within_100ms_whatever_the_spin(server, sock, mode):
+    """The C loops spin at most POLL_SLICE_NS before Python looks at the clock and its stop flag: polled macfwd
+    used to stop 64 x --spin empty polls late (2.9 s at --spin 1000000), rxonly 256 x. With --wait, a spin the
+    slice cuts short goes on at the next call: it does not turn into an early sleep."""
+    rc, out, err = collect(driver(sock, "--mode", *mode, "--spin", SPIN, "--seconds", 0.5, "--drain", 0), timeout=20)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "seconds" and res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert res["rx"]["waits"] == 0                                    # 0.5 s is far from the end of the spin
+    if "--count" in mode:
+        assert res["rx"]["packets"] > 32
+
+
+def test_polled_macfwd_stops_on_sigterm_within_100ms_whatever_the_spin(server, sock):
+    proc = driver(sock, "--mode", "macfwd", "--spin", SPIN, "--drain", "0")
+    try:
+        running(server)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
 
 
 @pytest.mark.parametrize("mode", ["rxonly", "macfwd"])

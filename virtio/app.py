@@ -46,6 +46,11 @@ from .net import NetQueues, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
 
+#: The longest the C loops poll an empty Rx ring before Python looks at its stop flag and the clock again (a stop is
+#: seen within about this much, whatever --spin)
+POLL_SLICE_NS = 1_000_000
+
+
 @dataclass
 class DriverConfig:
     socket: str
@@ -523,7 +528,7 @@ class _Loop:
             return
         spin, loop, done = self.cfg.spin, lib.vn_fwd_loop, self._done
         while not done(deadline):
-            if loop(rx, tx, p_idx, p_lens, b, spin, 64, ffi.NULL) < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, ffi.NULL, POLL_SLICE_NS) < 0:
                 self._raise()
 
     def _run_macfwd_wait(self, deadline):
@@ -533,7 +538,7 @@ class _Loop:
         rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
         p_idx, p_lens, loop, idle = self.p_idx, self.p_lens, lib.vn_fwd_loop, ffi.new("int32_t *")
         while not self._done(deadline):
-            if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle) < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle, POLL_SLICE_NS) < 0:
                 self._raise()
             if idle[0] and self._idle(deadline):
                 break
@@ -645,10 +650,11 @@ class _Loop:
             return
         drop, r, p_idx, p_lens, b, spin = lib.vn_rx_drop, rx.c, self.p_idx, self.p_lens, cfg.burst, cfg.spin
         while r.packets < limit:
-            if drop(r, p_idx, p_lens, b, spin) < 0:
+            n = drop(r, p_idx, p_lens, b, spin, POLL_SLICE_NS)
+            if n < 0:
                 rx.vq._fail()
             it += 1
-            if not it & 255 and self._done(deadline):
+            if (n == 0 or not it & 255) and self._done(deadline):   # idle: look at once (the spin took its time)
                 break
 
     def drain(self):

@@ -82,7 +82,8 @@ def register(sub):
     p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
                    help="send every packet through the slow path (header descriptor or indirect)")
     p.add_argument("--spin", type=int, default=64,
-                   help="macfwd: empty Rx polls done in C before returning to Python (0: one poll per call)")
+                   help="macfwd, rxonly: empty Rx polls done in C on an idle ring (with --wait: before sleeping); "
+                        "C returns to Python at least every millisecond meanwhile, so a stop is seen at once")
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
     p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
