@@ -13,7 +13,7 @@ import pytest
 from vhost.datapath import Options
 from vhost.testing import ThreadedServer
 
-from tests.procs import collect
+from tests.procs import Procs, collect, wait_for
 
 
 def driver(sock, *args):
@@ -154,3 +154,31 @@ def test_completed_tx_is_not_reported(server, sock):
     rc, out, err = finish(proc)
     assert rc == 0 and "still in flight" not in err, err
     assert json.loads(out)["tx_unfinished"] == 0
+
+
+def test_a_backend_frozen_at_the_stop_still_gets_the_report(tmp_path):
+    """A real `vring vhost` frozen (SIGSTOP) while the driver runs: SET_VRING_ENABLE 0 at the stop times out. The
+    driver still prints its JSON report, the ProtocolTimeout recorded in it, and exits 2 with the error's message
+    (it used to exit with the message and no report)."""
+    sock, procs, frozen = str(tmp_path / "vh.sock"), Procs(), None
+    try:
+        backend = procs.start("vhost", "--socket", sock, "--fwd", "macswap")
+        wait_for(sock, backend)
+        proc = driver(sock, "--count", 32, "--idle-first", 0.2, "--seconds", 0.5, "--timeout", 1, "--drain", 0)
+        procs.procs.append(proc)
+        t0 = time.monotonic()
+        while "idle for" not in proc.stderr.readline():                 # the device is started
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "the driver did not start"
+        os.kill(backend.pid, signal.SIGSTOP)
+        frozen = backend.pid
+        rc, out, err = finish(proc)
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        procs.close()
+    assert rc == 2, err
+    assert "vring driver: ProtocolTimeout: backend at" in err and "did not answer SET_VRING_ENABLE" in err, err
+    res = json.loads(out)
+    assert res["error"]["type"] == "ProtocolTimeout" and "SET_VRING_ENABLE" in res["error"]["message"], res["error"]
+    assert res["stop"]["reason"] == "seconds" and res["injected"] == 32
+    assert res["tx_unfinished"] == 32 and "vring_bases" not in res     # never completed, and no base came back

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from rings.errors import PeerGone
+from rings.errors import PeerGone, VringError
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
 
@@ -170,7 +170,8 @@ class _SignalWakeup:
 
 
 def run(cfg: DriverConfig, on_ready=None):
-    """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started."""
+    """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started. A typed error
+    (VringError) that ends the run after that carries the counters so far, the error among them, as ``e.report``."""
     if cfg.pin is not None:
         pin_all_threads(cfg.pin)
     if cfg.mode not in ("txonly", "rxonly", "macfwd", "rate"):
@@ -211,17 +212,24 @@ def run(cfg: DriverConfig, on_ready=None):
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
         loop = _Loop(cfg, nq, stop, sess, pcap, wakeup)
-        if cfg.idle_first > 0:
-            loop.idle(cfg.idle_first)
-        t0 = time.monotonic()
-        loop.run()
-        elapsed = time.monotonic() - t0
-        result["stop"] = loop.stop_info()
-        loop.drain()
-        # Tx buffers the backend never completed: their memory still belongs to the device
-        result["tx_unfinished"] = int(nq.tx.inflight)
+        t0 = error = None
+        try:
+            if cfg.idle_first > 0:
+                loop.idle(cfg.idle_first)
+            t0 = time.monotonic()
+            loop.run()
+            result["stop"] = loop.stop_info()
+            loop.drain()
+            # Tx buffers the backend never completed: their memory still belongs to the device
+            result["tx_unfinished"] = int(nq.tx.inflight)
+            result["vring_bases"] = _stop_vrings(sess)
+        except VringError as e:   # e.g. a frozen backend that never answers the stop: still a report, the error in it
+            error = e
+            result.setdefault("stop", {"reason": "error"})
+            result.setdefault("tx_unfinished", int(nq.tx.inflight))
+            result["error"] = {"type": type(e).__name__, "message": str(e)}
+        elapsed = loop.t_end - t0 if t0 is not None and loop.t_end is not None else 0.0
         result["elapsed_s"] = round(elapsed, 6)
-        result["vring_bases"] = _stop_vrings(sess)
         result["connections"] = sess.connections
         result["reconnects"] = loop.reconnects
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
@@ -229,6 +237,9 @@ def run(cfg: DriverConfig, on_ready=None):
         result.update(nq.counters())
         if pcap is not None:
             result["pcap"] = pcap.stats()
+        if error is not None:
+            error.report = result
+            raise error
         return result
     finally:
         for s, h in old.items():
