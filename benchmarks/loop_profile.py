@@ -73,7 +73,7 @@ def run_loop(path, rounds, inject, burst, ring, pkt_size, mrg, vhost_opts=None, 
         rx, tx = nq.rx.c, nq.tx.c
         fwd, run = vn.lib.vn_fwd_loop, vh.lib.vh_run
         for _ in range(rounds):
-            if fwd(rx, tx, p_idx, p_lens, burst, 0, 1, vn.ffi.NULL) < 0:
+            if fwd(rx, tx, p_idx, p_lens, burst, 0, 1, vn.ffi.NULL, 0) < 0:
                 raise RuntimeError("driver queue broke")
             if run(dp.n, 1, 1 << 40):
                 raise RuntimeError(f"device queue broke: {dp.n.broken}")

@@ -13,6 +13,8 @@ import pytest
 from vhost.datapath import Options
 from vhost.testing import ThreadedServer
 
+from tests.procs import Procs, collect, wait_for
+
 
 def driver(sock, *args):
     argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--json", *map(str, args)]
@@ -70,6 +72,39 @@ def test_wait_honours_seconds_within_100ms(server, sock):
     assert res["elapsed_s"] < 0.8, res["elapsed_s"]                   # was overrunning by ~20 s
 
 
+SPIN = 1 << 31   # the largest --spin: about 100 s of empty polls
+
+
+@pytest.mark.parametrize("mode", [("macfwd",), ("macfwd", "--count", 32), ("rxonly",), ("macfwd", "--wait")],
+                         ids=["macfwd", "macfwd-traffic", "rxonly", "macfwd-wait"])
+def test_polling_honours_seconds_within_100ms_whatever_the_spin(server, sock, mode):
+    """The C loops spin at most POLL_SLICE_NS before Python looks at the clock and its stop flag: polled macfwd
+    used to stop 64 x --spin empty polls late (2.9 s at --spin 1000000), rxonly 256 x. With --wait, a spin the
+    slice cuts short goes on at the next call: it does not turn into an early sleep."""
+    rc, out, err = collect(driver(sock, "--mode", *mode, "--spin", SPIN, "--seconds", 0.5, "--drain", 0), timeout=20)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "seconds" and res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert res["rx"]["waits"] == 0                                    # 0.5 s is far from the end of the spin
+    if "--count" in mode:
+        assert res["rx"]["packets"] > 32
+
+
+def test_polled_macfwd_stops_on_sigterm_within_100ms_whatever_the_spin(server, sock):
+    proc = driver(sock, "--mode", "macfwd", "--spin", SPIN, "--drain", "0")
+    try:
+        running(server)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
+
+
 @pytest.mark.parametrize("mode", ["rxonly", "macfwd"])
 def test_wait_notices_the_backend_leaving_within_100ms(sock, mode):
     srv = ThreadedServer(sock, Options())
@@ -119,3 +154,31 @@ def test_completed_tx_is_not_reported(server, sock):
     rc, out, err = finish(proc)
     assert rc == 0 and "still in flight" not in err, err
     assert json.loads(out)["tx_unfinished"] == 0
+
+
+def test_a_backend_frozen_at_the_stop_still_gets_the_report(tmp_path):
+    """A real `vring vhost` frozen (SIGSTOP) while the driver runs: SET_VRING_ENABLE 0 at the stop times out. The
+    driver still prints its JSON report, the ProtocolTimeout recorded in it, and exits 2 with the error's message
+    (it used to exit with the message and no report)."""
+    sock, procs, frozen = str(tmp_path / "vh.sock"), Procs(), None
+    try:
+        backend = procs.start("vhost", "--socket", sock, "--fwd", "macswap")
+        wait_for(sock, backend)
+        proc = driver(sock, "--count", 32, "--idle-first", 0.2, "--seconds", 0.5, "--timeout", 1, "--drain", 0)
+        procs.procs.append(proc)
+        t0 = time.monotonic()
+        while "idle for" not in proc.stderr.readline():                 # the device is started
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "the driver did not start"
+        os.kill(backend.pid, signal.SIGSTOP)
+        frozen = backend.pid
+        rc, out, err = finish(proc)
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        procs.close()
+    assert rc == 2, err
+    assert "vring driver: ProtocolTimeout: backend at" in err and "did not answer SET_VRING_ENABLE" in err, err
+    res = json.loads(out)
+    assert res["error"]["type"] == "ProtocolTimeout" and "SET_VRING_ENABLE" in res["error"]["message"], res["error"]
+    assert res["stop"]["reason"] == "seconds" and res["injected"] == 32
+    assert res["tx_unfinished"] == 32 and "vring_bases" not in res     # never completed, and no base came back

@@ -38,7 +38,7 @@ def test_fwd_burst_reposts_before_the_send_whatever_the_backend_interleaving(pac
             if step == "backend":
                 assert vh.lib.vh_run(dp.n, 1, 1 << 40) == 0
             else:
-                assert vn.lib.vn_fwd_burst(nq.rx.c, nq.tx.c, p_idx, p_lens, step, 0) == step
+                assert vn.lib.vn_fwd_burst(nq.rx.c, nq.tx.c, p_idx, p_lens, step) == step
         assert dp.stats()["rx_dropped"] == 0
         assert nq.tx.c.dropped == 0
     finally:

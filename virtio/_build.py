@@ -23,13 +23,13 @@ uint32_t vn_gen(struct vn_pool *p, uint32_t *out, uint32_t n, const uint8_t *tmp
 uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, const uint32_t *len, uint32_t n,
                   const uint8_t *tmpl, uint32_t tlen, int swapped, uint32_t seq_off, uint32_t ts_off,
                   uint64_t *seqs);
-int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
+int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max);
 int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                    uint32_t spin, uint32_t bursts, int32_t *idle);
+                    uint32_t spin, uint32_t bursts, int32_t *idle, uint64_t slice_ns);
 int vn_tx_flush(struct vn_txq *t);
 uint32_t vn_gen_tx(struct vn_txq *t, uint32_t *idx, uint32_t n, const uint8_t *tmpl, uint32_t len,
                    uint64_t seq, uint32_t seq_off, int stamp, uint32_t ts_off, uint32_t *lens);
-int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin);
+int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin, uint64_t slice_ns);
 uint64_t vn_now_ns(void);
 void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n);
 void vn_lat_reset(struct vn_lat *l);

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from rings.errors import PeerGone
+from rings.errors import PeerGone, VringError
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
 
@@ -42,8 +42,13 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_MASK, Ledger
-from .net import NetQueues
+from .net import NetQueues, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
+
+
+#: The longest the C loops poll an empty Rx ring before Python looks at its stop flag and the clock again (a stop is
+#: seen within about this much, whatever --spin)
+POLL_SLICE_NS = 1_000_000
 
 
 @dataclass
@@ -87,6 +92,25 @@ class DriverConfig:
     reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
     server: bool = False      # listen on socket; the backend connects (and reconnects)
     inflight: bool | None = None  # negotiate INFLIGHT_SHMFD when offered; None: only with reconnect or server
+
+    def features(self):
+        """The virtio features asked for; negotiation gives exactly these (each one is required) or fails."""
+        return want_features(VERSION_1=self.version_1, RING_PACKED=self.packed, IN_ORDER=self.in_order,
+                             MRG_RXBUF=self.mrg_rxbuf, EVENT_IDX=self.event_idx, INDIRECT_DESC=self.indirect)
+
+    def check(self):
+        """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
+        returns warnings (spec SHOULDs the configuration does not meet)."""
+        frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
+        # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
+        # a macfwd without --count forwards what it receives, whatever its size
+        builds = self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0)
+        if builds:
+            check_tx_frame(frame, features, self.ring_size, self.buf_size, hdr=self.tx_hdr,
+                           force_slow=self.force_slow)
+        # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
+        receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
+        return check_rx_frame(frame if receives else None, features, self.buf_size)
 
 
 def pin_all_threads(cpu):
@@ -146,15 +170,18 @@ class _SignalWakeup:
 
 
 def run(cfg: DriverConfig, on_ready=None):
-    """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started."""
+    """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started. A typed error
+    (VringError) that ends the run after that carries the counters so far, the error among them, as ``e.report``."""
     if cfg.pin is not None:
         pin_all_threads(cfg.pin)
     if cfg.mode not in ("txonly", "rxonly", "macfwd", "rate"):
         raise ValueError(f"unknown mode {cfg.mode!r}")
     if cfg.mode == "rate" and not cfg.rate > 0:
         raise ValueError("rate mode needs a rate > 0 (frames per second)")
-    want = want_features(VERSION_1=cfg.version_1, RING_PACKED=cfg.packed, IN_ORDER=cfg.in_order,
-                         MRG_RXBUF=cfg.mrg_rxbuf, EVENT_IDX=cfg.event_idx, INDIRECT_DESC=cfg.indirect)
+    warnings = cfg.check()
+    for w in warnings:
+        print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
+    want = cfg.features()
     events = _event_printer() if cfg.reconnect or cfg.server else None
     sess = Session(cfg.socket, want, server=cfg.server, reconnect=cfg.reconnect, timeout=cfg.timeout,
                    inflight=(cfg.reconnect or cfg.server) if cfg.inflight is None else cfg.inflight, events=events)
@@ -163,12 +190,12 @@ def run(cfg: DriverConfig, on_ready=None):
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     wakeup = _SignalWakeup()
-    result = {"config": asdict(cfg)}
+    result = {"config": asdict(cfg), "warnings": warnings}
     try:
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         features = sess.establish(up_until, lambda: stop.flag)
-        segs = -(-max(cfg.pkt_size, packets.MIN_SIZE) // (cfg.buf_size - 128))
+        segs = frame_segments(max(cfg.pkt_size, packets.MIN_SIZE), cfg.buf_size)
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
                        callfds=fe.callfds, force_slow=cfg.force_slow, hdr=cfg.tx_hdr,
@@ -185,17 +212,24 @@ def run(cfg: DriverConfig, on_ready=None):
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
         loop = _Loop(cfg, nq, stop, sess, pcap, wakeup)
-        if cfg.idle_first > 0:
-            loop.idle(cfg.idle_first)
-        t0 = time.monotonic()
-        loop.run()
-        elapsed = time.monotonic() - t0
-        result["stop"] = loop.stop_info()
-        loop.drain()
-        # Tx buffers the backend never completed: their memory still belongs to the device
-        result["tx_unfinished"] = int(nq.tx.inflight)
+        t0 = error = None
+        try:
+            if cfg.idle_first > 0:
+                loop.idle(cfg.idle_first)
+            t0 = time.monotonic()
+            loop.run()
+            result["stop"] = loop.stop_info()
+            loop.drain()
+            # Tx buffers the backend never completed: their memory still belongs to the device
+            result["tx_unfinished"] = int(nq.tx.inflight)
+            result["vring_bases"] = _stop_vrings(sess)
+        except VringError as e:   # e.g. a frozen backend that never answers the stop: still a report, the error in it
+            error = e
+            result.setdefault("stop", {"reason": "error"})
+            result.setdefault("tx_unfinished", int(nq.tx.inflight))
+            result["error"] = {"type": type(e).__name__, "message": str(e)}
+        elapsed = loop.t_end - t0 if t0 is not None and loop.t_end is not None else 0.0
         result["elapsed_s"] = round(elapsed, 6)
-        result["vring_bases"] = _stop_vrings(sess)
         result["connections"] = sess.connections
         result["reconnects"] = loop.reconnects
         result["calls"] = {i: _eventfd_count(fd) for i, fd in enumerate(fe.callfds)}
@@ -203,6 +237,9 @@ def run(cfg: DriverConfig, on_ready=None):
         result.update(nq.counters())
         if pcap is not None:
             result["pcap"] = pcap.stats()
+        if error is not None:
+            error.report = result
+            raise error
         return result
     finally:
         for s, h in old.items():
@@ -323,13 +360,15 @@ class _Loop:
                 self.pcap.write(self.nq.pool.data(b), t)
 
     def _send_all(self, k, deadline):
-        """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest."""
+        """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest. A packet the queue
+        refused (a Tx error: it will never fit) ends the attempt at once."""
         self._cap(self.idx[:k])
         tx, sent = self.nq.tx, 0
         while sent < k:
+            errors = tx.c.errors
             sent += tx.burst(self.idx[sent:k], self.lens[sent:k])
             if sent < k:
-                if time.monotonic() > deadline or self.stop.flag:
+                if time.monotonic() > deadline or self.stop.flag or tx.c.errors != errors:
                     self.nq.pool.free(self.idx[sent:k])
                     self.tx_fail += k - sent
                     break
@@ -406,7 +445,7 @@ class _Loop:
                 k = self._gen(min(cfg.burst, left))
                 if k == 0:
                     break
-                self.injected += self._send_all(k, time.monotonic() + cfg.timeout)
+                self.injected += self._send_all(k, min(deadline, time.monotonic() + cfg.timeout))
                 left -= k
         while True:
             try:
@@ -500,7 +539,7 @@ class _Loop:
             return
         spin, loop, done = self.cfg.spin, lib.vn_fwd_loop, self._done
         while not done(deadline):
-            if loop(rx, tx, p_idx, p_lens, b, spin, 64, ffi.NULL) < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, ffi.NULL, POLL_SLICE_NS) < 0:
                 self._raise()
 
     def _run_macfwd_wait(self, deadline):
@@ -510,7 +549,7 @@ class _Loop:
         rx, tx, b, spin = self.nq.rx.c, self.nq.tx.c, self.cfg.burst, self.cfg.spin
         p_idx, p_lens, loop, idle = self.p_idx, self.p_lens, lib.vn_fwd_loop, ffi.new("int32_t *")
         while not self._done(deadline):
-            if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle) < 0:
+            if loop(rx, tx, p_idx, p_lens, b, spin, 64, idle, POLL_SLICE_NS) < 0:
                 self._raise()
             if idle[0] and self._idle(deadline):
                 break
@@ -622,10 +661,11 @@ class _Loop:
             return
         drop, r, p_idx, p_lens, b, spin = lib.vn_rx_drop, rx.c, self.p_idx, self.p_lens, cfg.burst, cfg.spin
         while r.packets < limit:
-            if drop(r, p_idx, p_lens, b, spin) < 0:
+            n = drop(r, p_idx, p_lens, b, spin, POLL_SLICE_NS)
+            if n < 0:
                 rx.vq._fail()
             it += 1
-            if not it & 255 and self._done(deadline):
+            if (n == 0 or not it & 255) and self._done(deadline):   # idle: look at once (the spin took its time)
                 break
 
     def drain(self):

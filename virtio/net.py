@@ -21,11 +21,13 @@ from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F
 from rings.shm import MemoryTable, ShmRegion
 
 from ._net import ffi, lib
-from .pool import BufferPool
+from .pool import BufferPool, check_geometry
 
 GPA_BASE = 0x100000000     # like virtio_user's --no-huge memory: gpa == uaddr, a fixed base
 PAGE = 4096
 HDR_SLOT = 16              # VN_HDR_SLOT in csrc/vnet.h
+HEADROOM = 128             # pool buffers: the Tx header's room on the fast path, where the Rx header lands
+INDIRECT_MAX = 8           # entries of a Tx indirect table; a longer chain goes directly into the ring
 RXQ, TXQ = 0, 1            # NET-04: receiveq1 = 0, transmitq1 = 1
 
 
@@ -50,7 +52,8 @@ class GuestMemory:
     """One size-sealed memfd holding both rings, the Tx header area, indirect tables and the pool. The backend
     gets its fd writable but can neither shrink it under our mapping (SIGBUS) nor unseal it."""
 
-    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=128, indirect_max=8, gpa_base=GPA_BASE):
+    def __init__(self, fmt, size, nbufs, buf_size=2048, headroom=HEADROOM, indirect_max=INDIRECT_MAX,
+                 gpa_base=GPA_BASE):
         ring = align_up(QueueLayout.bytes_needed(fmt, size), PAGE)
         off = 0
         self.rx_off, off = off, off + ring
@@ -92,6 +95,76 @@ def _choice(what, value, allowed):
     if value not in allowed:
         raise ConfigError(f"{what} must be one of {', '.join(allowed)}, not {value!r}")
     return value
+
+
+def frame_segments(frame_len, buf_size, headroom=HEADROOM):
+    """Pool buffers a frame the driver builds takes (vn_gen: ``buf_size - headroom`` data bytes in each)."""
+    check_geometry(buf_size, headroom)
+    return max(1, -(-frame_len // (buf_size - headroom)))
+
+
+def tx_descs(frame_len, features, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
+             indirect_max=INDIRECT_MAX):
+    """What one frame of ``frame_len`` bytes built in pool buffers takes on transmitq, as (chain, slots): the
+    descriptors the device walks (an indirect table's entries included) and the ring descriptors it occupies.
+
+    One segment with the header in its headroom: one descriptor. Otherwise (several segments, --tx-hdr chain or
+    indirect, the slow path) a header descriptor, then one per segment; with VIRTIO_F_INDIRECT_DESC negotiated and
+    the header not chained, a chain of at most ``indirect_max`` fills one indirect table (one ring slot) and a
+    longer one goes directly into the ring (vq_drv_needed)."""
+    segs = frame_segments(frame_len, buf_size, headroom)
+    if segs == 1 and hdr == "headroom" and not force_slow:
+        return 1, 1
+    chain = 1 + segs
+    indirect = has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain"
+    return chain, 1 if indirect and chain <= indirect_max else chain
+
+
+def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
+                   indirect_max=INDIRECT_MAX):
+    """ConfigError, with the reason, when such frames can never be sent on a queue of ``size``: a chain longer
+    than the queue size is forbidden, an indirect table's entries included (SPLIT-D-05, PACKED-D-09/19), and
+    vn_tx_one refuses it (the packet would be retried forever). Returns (chain, slots) otherwise."""
+    chain, slots = tx_descs(frame_len, features, buf_size, headroom, hdr, force_slow, min(indirect_max, size))
+    if chain <= size:
+        return chain, slots
+    room = buf_size - headroom
+    how = " in one indirect table" if slots == 1 else ""
+    fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
+    raise ConfigError(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({chain - 1} buffers "
+                      f"of {room} data bytes + 1 for the virtio-net header), more than the queue size {size}: no "
+                      f"chain may be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of "
+                      f"at least {1 << (chain - 1).bit_length()}"
+                      + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""))
+
+
+#: NET-24: without MRG_RXBUF, GUEST_TSO4/TSO6/UFO/USO4/USO6 and HASH_REPORT (this driver never negotiates the
+#: last ones) Rx buffers SHOULD hold at least 1526 bytes: a 1514-byte frame and its 12-byte header.
+NET_24_RX_MIN = 1526
+
+
+def rx_buffer_len(features, buf_size=2048, headroom=HEADROOM):
+    """The bytes of one posted Rx buffer: the header lands in the headroom, the frame after it."""
+    check_geometry(buf_size, headroom)
+    return buf_size - headroom + net_hdr_size(features)
+
+
+def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM):
+    """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
+    fit: ConfigError, with the reason, when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit.
+    Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole)."""
+    if has(features, VIRTIO_NET_F_MRG_RXBUF):
+        return []
+    post, hs = rx_buffer_len(features, buf_size, headroom), net_hdr_size(features)
+    if frame_len is not None and frame_len + hs > post:
+        raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx buffer, "
+                          f"and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame (NET-27): every "
+                          f"frame would be dropped; negotiate MRG_RXBUF or use a buffer size of at least "
+                          f"{align_up(frame_len + headroom, 64)}")
+    if post < NET_24_RX_MIN:
+        return [f"Rx buffers of {post} bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least "
+                f"{NET_24_RX_MIN} (a 1514-byte frame and its header); larger frames will be dropped by the device"]
+    return []
 
 
 class TxQueue:
@@ -223,7 +296,7 @@ class RxQueue:
         r.pool = mem.pool.c
         r.hdr_size = self.hdr_size
         r.mrg = int(self.mrg)
-        r.post_len = mem.pool.buf_size - mem.pool.headroom + self.hdr_size
+        r.post_len = rx_buffer_len(features, mem.pool.buf_size, mem.pool.headroom)
         r.refill_thresh = max(1, min(burst, n))
         r.kickfd = -1 if kickfd is None else kickfd
         r.tok, r.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
@@ -300,12 +373,14 @@ class NetQueues:
     """Guest memory + one Rx/Tx queue pair for negotiated ``features`` (the data path without the transport).
     ``kickfds``/``callfds``: eventfds per queue index (RXQ, TXQ) or None (tests, polling only)."""
 
-    def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=128,
-                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=8, **tx_variants):
+    def __init__(self, features, fmt=None, size=256, nbufs=None, burst=32, buf_size=2048, headroom=HEADROOM,
+                 kickfds=(None, None), callfds=(None, None), force_slow=False, indirect_max=INDIRECT_MAX,
+                 **tx_variants):
         fmt = fmt or ("packed" if has(features, VIRTIO_F_RING_PACKED) else "split")
         self.features, self.fmt, self.size, self.burst = features, fmt, size, burst
         nbufs = nbufs or max(4096, 4 * size + 8 * burst)
-        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, indirect_max)
+        # an indirect table holds at most the queue size (SPLIT-D-05); the engine refuses larger ones
+        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, min(indirect_max, size))
         self.pool = self.mem.pool
         self.rx = RxQueue(self.mem, features, burst, kickfd=kickfds[RXQ], callfd=callfds[RXQ])
         self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow, **tx_variants)

@@ -13,6 +13,13 @@ from ._net import ffi, lib
 NONE = 0xFFFFFFFF
 
 
+def check_geometry(buf_size, headroom):
+    """Buffers the pool can be made of (ConfigError otherwise)."""
+    if headroom < 12 or headroom >= buf_size or buf_size % 64:
+        raise ConfigError(f"pool: need 12 <= headroom < buf_size and buf_size a multiple of 64 "
+                          f"(headroom={headroom}, buf_size={buf_size})")
+
+
 def _ptr(ctype, arr):
     return ffi.cast(ctype, ffi.from_buffer(arr))
 
@@ -23,9 +30,7 @@ class BufferPool:
     leaves room for the virtio-net header (Tx fast path, Rx header landing)."""
 
     def __init__(self, view, gpa, nbufs, buf_size=2048, headroom=128):
-        if headroom < 12 or headroom >= buf_size or buf_size % 64:
-            raise ConfigError(f"pool: need 12 <= headroom < buf_size and buf_size a multiple of 64 "
-                              f"(headroom={headroom}, buf_size={buf_size})")
+        check_geometry(buf_size, headroom)
         self.gpa, self.nbufs, self.buf_size, self.headroom = gpa, nbufs, buf_size, headroom
         self.mem = np.frombuffer(view, np.uint8, count=nbufs * buf_size)
         self.stack = np.arange(nbufs - 1, -1, -1, dtype=np.uint32)  # pops 0, 1, 2, ... first

@@ -82,7 +82,8 @@ def register(sub):
     p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
                    help="send every packet through the slow path (header descriptor or indirect)")
     p.add_argument("--spin", type=int, default=64,
-                   help="macfwd: empty Rx polls done in C before returning to Python (0: one poll per call)")
+                   help="macfwd, rxonly: empty Rx polls done in C on an idle ring (with --wait: before sleeping); "
+                        "C returns to Python at least every millisecond meanwhile, so a stop is seen at once")
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
     p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
@@ -121,6 +122,21 @@ def _check_args(args):
     return None
 
 
+def _print_report(args, res):
+    if args.json:
+        print(json.dumps(res, indent=1), flush=True)
+        return
+    rx, tx = res["rx"], res["tx"]
+    print(f"features {res['features']:#x} ({' '.join(res['feature_names'])}), header {res['hdr_size']} B")
+    print(f"rx: {rx['packets']} packets {rx['bytes']} bytes ({res['rx_pps']} pps), errors {rx['errors']}")
+    print(f"tx: {tx['packets']} packets {tx['bytes']} bytes ({res['tx_pps']} pps), kicks {tx['kicks']}, "
+          f"cleanups {tx['cleanups']}, reclaimed {tx['reclaimed_descs']} descs, dropped {tx['dropped']}")
+    for key in ("latency", "verify", "pcap", "error"):
+        if key in res:
+            print(f"{key}: {res[key]}")
+    sys.stdout.flush()
+
+
 def main(args):
     cfg = DriverConfig(
         socket=args.socket, packed=args.packed, in_order=args.in_order, mrg_rxbuf=args.mrg_rxbuf,
@@ -143,24 +159,13 @@ def main(args):
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create
+            if getattr(e, "report", None) is not None:   # the run had started: what it did, the error in it
+                _print_report(args, e.report)
             print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise
+    _print_report(args, res)
     unfinished = res.get("tx_unfinished", 0)
-    if args.json:
-        print(json.dumps(res, indent=1))
-    else:
-        rx, tx = res["rx"], res["tx"]
-        print(f"features {res['features']:#x} ({' '.join(res['feature_names'])}), header {res['hdr_size']} B")
-        print(f"rx: {rx['packets']} packets {rx['bytes']} bytes ({res['rx_pps']} pps), errors {rx['errors']}")
-        print(f"tx: {tx['packets']} packets {tx['bytes']} bytes ({res['tx_pps']} pps), kicks {tx['kicks']}, "
-              f"cleanups {tx['cleanups']}, reclaimed {tx['reclaimed_descs']} descs, dropped {tx['dropped']}")
-        if "latency" in res:
-            print(f"latency: {res['latency']}")
-        if "verify" in res:
-            print(f"verify: {res['verify']}")
-        if "pcap" in res:
-            print(f"pcap: {res['pcap']}")
     if unfinished:
         what = (f"{unfinished} Tx buffer{'s' * (unfinished != 1)} still in flight at exit: the backend never "
                 f"completed them")

@@ -725,21 +725,31 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
     return bad;
 }
 
-/* One macfwd step: receive (polling up to `spin` extra times in C while the ring is empty), swap MACs, refill the
- * Rx ring, send back; what still does not fit in Tx after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off
- * the round trip. Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
+#define VN_CLOCK_POLLS 64   /* empty polls between two looks at the clock while spinning */
+
+/* Poll an empty Rx ring up to `spin` times (a pause between polls), looking at the clock every VN_CLOCK_POLLS polls
+ * to give up at `until` (CLOCK_MONOTONIC ns): whatever the spin, the caller gets control back in time to see a
+ * stop. Returns the polls done: fewer than `spin` when a used buffer showed up or the time was up. */
+static inline uint32_t vn_rx_spin(const struct vn_rxq *r, uint32_t spin, uint64_t until)
+{
+    uint32_t k = 0;
+    while (k < spin && !vn_rx_pending(r)) {
+        __builtin_ia32_pause();
+        if (!(++k % VN_CLOCK_POLLS) && vn_now_ns() >= until)
+            break;
+    }
+    return k;
+}
+
+/* One macfwd step: receive, swap MACs, refill the Rx ring, send back; what still does not fit in Tx after
+ * VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off the round trip. Returns the
+ * packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
  * (benchmarks/loop_profile.py). */
 static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
-                                                  uint32_t max, uint32_t spin)
+                                                  uint32_t max)
 {
-    int n;
     r->kick = 0;
-    for (;;) {
-        n = vn_rx_recv(r, idx, len, max);
-        if (n != 0 || spin-- == 0)
-            break;
-        __builtin_ia32_pause();
-    }
+    int n = vn_rx_recv(r, idx, len, max);
     if (n < 0)
         return n;
     if (n > 0) {
@@ -773,25 +783,44 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
     return n;
 }
 
-/* Up to `bursts` macfwd steps in one call (Python then looks at the clock and its stop flag). With `idle` (--wait),
- * the call also ends after the first step that found nothing (after its spin) and sets *idle: the caller then
- * enables calls and sleeps. Python is paid per call, not per burst. Returns the packets forwarded, or -1 when a
- * ring broke. */
+/* Up to `bursts` macfwd steps in one call (Python then looks at the clock and its stop flag); a step that finds
+ * nothing spins up to `spin` more polls. The spinning of one call lasts `slice_ns` at most: the call then returns,
+ * and the spin goes on where it was at the next call (r->spun), so that a stop is seen within about a slice,
+ * whatever --spin. With `idle` (--wait), the call also ends once a whole spin found nothing and sets *idle: the
+ * caller then enables calls and sleeps. Python is paid per call, not per burst; the clock is read only while
+ * spinning. Returns the packets forwarded, or -1 when a ring broke. */
 static inline int64_t vn_fwd_loop(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len, uint32_t max,
-                                  uint32_t spin, uint32_t bursts, int32_t *idle)
+                                  uint32_t spin, uint32_t bursts, int32_t *idle, uint64_t slice_ns)
 {
     int64_t total = 0;
+    uint64_t until = 0;
     if (idle)
         *idle = 0;
     for (uint32_t k = 0; k < bursts; k++) {
-        int n = vn_fwd_burst(r, t, idx, len, max, spin);
+        int n = vn_fwd_burst(r, t, idx, len, max);
         if (n < 0)
             return -1;
-        if (n == 0 && idle) {
-            *idle = 1;
+        if (n > 0) {
+            total += n;
+            r->spun = 0;
+            continue;
+        }
+        uint32_t left = spin > r->spun ? spin - r->spun : 0, done = 0;
+        if (left) {
+            if (!until)
+                until = vn_now_ns() + slice_ns;
+            done = vn_rx_spin(r, left, until);
+            r->spun += done;
+        }
+        if (done == left) {   /* a whole spin found nothing */
+            r->spun = 0;
+            if (idle) {
+                *idle = 1;
+                break;
+            }
+        } else if (!vn_rx_pending(r)) {   /* the slice is over */
             break;
         }
-        total += n;
     }
     return total;
 }
@@ -876,15 +905,15 @@ static inline int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn
     return total;
 }
 
-/* rxonly: receive (spinning up to `spin` empty polls) and free. Returns packets received, or -1. */
-static inline int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin)
+/* rxonly: receive and free; on an empty ring spin up to `spin` polls, `slice_ns` at most (vn_rx_spin), then receive
+ * once more. Returns packets received, or -1. */
+static inline int vn_rx_drop(struct vn_rxq *r, uint32_t *idx, uint32_t *len, uint32_t max, uint32_t spin,
+                             uint64_t slice_ns)
 {
-    int n;
-    for (;;) {
+    int n = vn_rx_burst(r, idx, len, max);
+    if (n == 0 && spin) {
+        vn_rx_spin(r, spin, vn_now_ns() + slice_ns);
         n = vn_rx_burst(r, idx, len, max);
-        if (n != 0 || spin-- == 0)
-            break;
-        __builtin_ia32_pause();
     }
     if (n > 0)
         vn_pool_free(r->pool, idx, (uint32_t)n);

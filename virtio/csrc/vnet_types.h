@@ -51,6 +51,7 @@ struct vn_rxq {
     uint32_t *ref_len;
     uint64_t *ref_tok;
     uint32_t part_head, part_tail, part_len, part_left, part_nseg;
+    uint32_t spun;          /* vn_fwd_loop: empty polls of the spin under way (it goes on across calls) */
     uint64_t packets, bytes, bufs, merged, refills, posted, nombuf, errors, kicks;
 };
 

@@ -1,0 +1,157 @@
+"""Frames the queues can never carry are refused when the run is configured, with the reason, never retried.
+
+SPLIT-D-05 / PACKED-D-09: no descriptor chain longer than the queue size, an indirect table's entries included. What
+one frame of the driver takes (virtio.net.tx_descs) depends on the Tx header placement and on
+VIRTIO_F_INDIRECT_DESC; the driver's arithmetic must agree with what its C engine accepts.
+"""
+import json
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from rings.errors import ConfigError
+from rings.layout import VIRTIO_F_INDIRECT_DESC, bit
+from virtio import packets
+from virtio._net import ffi, lib
+from virtio.app import DriverConfig, _Loop, _Stop
+from virtio.net import INDIRECT_MAX, TX_HDR, NetQueues, check_tx_frame, tx_descs
+
+from tests.procs import VRING, collect
+
+BUF = 256                        # 128 data bytes a buffer after the 128-byte headroom
+ROOM = BUF - 128
+
+
+def driver(sock, *args):
+    """`vring driver --json` to its end: (returncode, stdout, stderr)."""
+    return collect(subprocess.Popen(VRING + ["driver", "--socket", sock, "--json", *map(str, args)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+
+def gen(nq, frame_len):
+    """One driver-built frame of frame_len bytes (vn_gen, as the driver injects it): (indices, lengths)."""
+    tmpl = packets.template(frame_len)
+    idx = np.zeros(1, np.uint32)
+    assert lib.vn_gen(nq.pool.c, ffi.cast("uint32_t *", ffi.from_buffer(idx)), 1,
+                      ffi.cast("uint8_t *", ffi.from_buffer(tmpl)), len(tmpl), 0, packets.SEQ_OFF, 0, 0) == 1
+    return idx, np.full(1, len(tmpl), np.uint32)
+
+
+@pytest.mark.parametrize("size", [4, 16])
+@pytest.mark.parametrize("hdr, indirect", [(h, i) for h in TX_HDR for i in (False, True) if i or h != "indirect"])
+def test_split_d_05_packed_d_09_tx_descs_agree_with_the_engine(variant, hdr, indirect, size):
+    """A frame whose chain is exactly the queue size goes out and occupies the ring slots tx_descs says (one for
+    a chain that fits an indirect table); one segment more is refused by the engine and by check_tx_frame."""
+    features = variant | (bit(VIRTIO_F_INDIRECT_DESC) if indirect else 0)
+    for frame_len, fits in (((size - 1) * ROOM, True), (size * ROOM, False)):
+        nq = NetQueues(features, size=size, nbufs=256, buf_size=BUF, hdr=hdr)
+        try:
+            chain, slots = tx_descs(frame_len, features, BUF, hdr=hdr)
+            assert chain == (size if fits else size + 1)
+            idx, lens = gen(nq, frame_len)
+            sent = nq.tx.burst(idx, lens)
+            if fits:
+                assert check_tx_frame(frame_len, features, size, BUF, hdr=hdr) == (chain, slots)
+                assert sent == 1 and nq.tx.vq.num_free == size - slots
+                assert slots == (1 if indirect and hdr != "chain" and chain <= INDIRECT_MAX else chain)
+            else:
+                with pytest.raises(ConfigError, match=f"takes {size + 1} descriptors.*queue size {size}"):
+                    check_tx_frame(frame_len, features, size, BUF, hdr=hdr)
+                assert sent == 0 and nq.tx.counters()["errors"] == 1 and nq.tx.vq.num_free == size
+                nq.pool.free(idx)
+        finally:
+            nq.close()
+
+
+def test_tx_descs_one_descriptor_only_on_the_headroom_fast_path():
+    ind = bit(VIRTIO_F_INDIRECT_DESC)
+    assert tx_descs(60, 0, 2048) == (1, 1)
+    assert tx_descs(60, ind, 2048, force_slow=True) == (2, 1)        # --tx-slow-path: header descriptor, indirect
+    assert tx_descs(60, ind, 2048, hdr="chain") == (2, 2)            # chain never uses an indirect table
+    assert tx_descs(60, ind, 2048, hdr="indirect") == (2, 1)
+    assert tx_descs(9000, ind, 2048) == (6, 1)                       # 5 segments + header, in one table
+    assert tx_descs(9000, 0, 2048) == (6, 6)
+
+
+@pytest.mark.parametrize("args", [
+    ("--tx-hdr", "chain", "--mode", "macfwd", "--count", 8),
+    ("--tx-hdr", "headroom", "--mode", "txonly", "--count", 8),              # indirect negotiated: 72 > 8, direct
+    ("--tx-hdr", "indirect", "--mode", "rate", "--rate", 1000),
+    ("--tx-hdr", "chain", "--mode", "macfwd", "--count", 8, "--no-indirect"),
+], ids=["chain-macfwd", "headroom-txonly", "indirect-rate", "chain-no-indirect"])
+def test_split_d_05_driver_refuses_a_frame_longer_than_the_ring_at_start(server, sock_path, args):
+    """vring driver --pkt-size 9000 --buf-size 256 --ring-size 64: 71 segments + a header descriptor = 72 > 64. It
+    used to connect and retry the injection until --timeout (1.7 M counted errors) and exit 0; now it says why
+    before connecting."""
+    t0 = time.monotonic()
+    rc, out, err = driver(sock_path, "--pkt-size", 9000, "--buf-size", BUF, "--ring-size", 64, "--seconds", 1,
+                          "--timeout", 5, *args)
+    assert rc == 2 and out == "", (rc, out[-300:], err)
+    assert "vring driver: ConfigError: a 9000-byte frame takes 72 descriptors on transmitq" in err, err
+    assert "more than the queue size 64" in err and "ring size of at least 128" in err, err
+    assert server.server.connections == 0, "refused before connecting"
+    assert time.monotonic() - t0 < 30
+
+
+def test_driver_forwarding_without_count_is_not_refused_for_pkt_size(server, sock_path):
+    """macfwd without --count forwards what it receives: --pkt-size says nothing about those frames."""
+    rc, out, err = driver(sock_path, "--pkt-size", 9000, "--buf-size", BUF, "--ring-size", 64, "--seconds", 0.3,
+                          "--drain", 0)
+    assert rc == 0, err
+    assert json.loads(out)["tx"]["errors"] == 0
+
+
+def test_a_refused_injection_is_not_retried():
+    """A frame the Tx queue refuses (it can never fit) ends the injection at once: one error counted, the frame
+    freed and counted as a Tx failure, not retried until the deadline (it was, 1.7 M times)."""
+    cfg = DriverConfig("", ring_size=8, buf_size=BUF, pkt_size=9 * ROOM, mode="macfwd", count=1, timeout=10)
+    nq = NetQueues(bit(VIRTIO_F_INDIRECT_DESC), size=8, nbufs=64, buf_size=BUF)
+    try:
+        loop = _Loop(cfg, nq, _Stop())
+        assert loop._gen(1) == 1
+        free = nq.pool.available
+        assert loop._send_all(1, time.monotonic() + cfg.timeout) == 0
+        assert nq.tx.counters()["errors"] == 1 and loop.tx_fail == 1
+        assert nq.pool.available == free + 9
+    finally:
+        nq.close()
+
+
+@pytest.mark.parametrize("mode", [("--mode", "macfwd", "--count", 8), ("--mode", "rate", "--rate", 1000),
+                                  ("--mode", "rxonly", "--verify")], ids=["macfwd", "rate", "rxonly-verify"])
+def test_net_27_without_mrg_rxbuf_a_frame_larger_than_an_rx_buffer_is_refused(server, sock_path, mode):
+    """Without MRG_RXBUF the device puts each frame into one Rx buffer (1932 bytes: 2048 - 128 headroom + the
+    12-byte header) and drops what does not fit: the run used to lose every frame and exit 0."""
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1921, "--seconds", 1, *mode)
+    assert rc == 2 and out == "", (rc, out[-300:], err)
+    assert ("vring driver: ConfigError: a 1921-byte frame and its 12-byte header do not fit one 1932-byte Rx "
+            "buffer") in err and "NET-27" in err and "buffer size of at least 2112" in err, err
+    assert server.server.connections == 0, "refused before connecting"
+
+
+def test_net_27_without_mrg_rxbuf_a_frame_that_fills_an_rx_buffer_arrives(server, sock_path):
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1920, "--count", 8, "--seconds", 0.5,
+                          "--verify")
+    res = json.loads(out)
+    assert rc == 0 and res["warnings"] == [], err
+    assert res["rx"]["packets"] >= 8 and res["rx"]["merged"] == 0
+    assert res["verify"]["bad"] == 0 and res["verify"]["missing"] == 0, res["verify"]
+
+
+@pytest.mark.parametrize("mrg", [False, True], ids=["no_mrg_rxbuf", "mrg_rxbuf"])
+def test_net_24_small_rx_buffers_without_mrg_rxbuf_are_a_warning(server, sock_path, mrg):
+    """140-byte Rx buffers: below NET-24's 1526 without MRG_RXBUF (a SHOULD): the run goes on, the frames fit and
+    arrive, and the report says so. With MRG_RXBUF larger frames would span buffers: no warning."""
+    rc, out, err = driver(sock_path, "--mrg-rxbuf" if mrg else "--no-mrg-rxbuf", "--buf-size", BUF, "--pkt-size",
+                          64, "--count", 8, "--seconds", 0.5, "--verify")
+    res = json.loads(out)
+    assert rc == 0, err
+    assert res["rx"]["packets"] >= 8 and res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0
+    if mrg:
+        assert res["warnings"] == [] and "warning" not in err, err
+    else:
+        want = "Rx buffers of 140 bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least 1526"
+        assert len(res["warnings"]) == 1 and res["warnings"][0].startswith(want), res["warnings"]
+        assert f"vring driver: warning: {want}" in err, err
