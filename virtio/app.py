@@ -334,6 +334,9 @@ class _Loop:
             self.lat = ffi.new("struct vn_lat *")
             self.lat.ts_off = packets.TS_OFF
             nq.rx.c.lat = self.lat
+        if cfg.mode == "macfwd":   # it writes the frame's first line, and the header's when that is in the headroom
+            nq.rx.c.own_lines = lib.VN_OWN_FRAME | (lib.VN_OWN_HDR if cfg.tx_hdr == "headroom"
+                                                    and not cfg.force_slow else 0)
         self.pace = None
         self.bad = 0
         self.seen = None

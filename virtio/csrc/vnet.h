@@ -385,6 +385,17 @@ static inline int vn_tx_flush(struct vn_txq *t)
 
 /* ----------------------------------------------------------------------------------- Rx */
 
+/* Ask for a line with intent to write (x86 PREFETCHW): one transfer in the exclusive state, where a read and a
+ * later store would cost a shared copy and then an upgrade, each a round trip to the core that wrote it last. */
+static inline void vn_prefetchw(const void *p)
+{
+#if defined(__x86_64__)
+    __asm__ volatile("prefetchw %0" : : "m"(*(const char *)p));
+#else
+    __builtin_prefetch(p, 1, 3);
+#endif
+}
+
 /* Post writable buffers until the ring is full or the pool is empty; only when at least `thresh` fit. */
 static inline uint32_t vn_rx_refill(struct vn_rxq *r, uint32_t thresh)
 {
@@ -492,6 +503,16 @@ static inline void vn_rx_take_all(struct vn_rxq *r, uint32_t got, uint32_t *out_
     uint32_t *data_len = p->data_len, *next = p->next;
     uint32_t nbufs = p->nbufs, hs = r->hdr_size, mrg = r->mrg, nout = *nout_io;
     uint64_t bs = p->buf_size, pkts = 0, bytes = 0;
+    if (r->own_lines) {   /* the lines the caller will write (macfwd): all asked for at once, before any read */
+        int own_hdr = r->own_lines & VN_OWN_HDR;
+        for (uint32_t i = 0; i < got; i++) {
+            if (tok[i] >= nbufs)
+                continue;
+            vn_prefetchw(host + tok[i] * bs + hr);
+            if (own_hdr)
+                vn_prefetchw(host + tok[i] * bs + hr - hs);
+        }
+    }
     for (uint32_t i = 0; i < got; i++) {
         uint64_t b = tok[i];
         uint32_t len = lens[i];
@@ -592,34 +613,42 @@ static inline uint32_t vn_lat_bucket(uint64_t ns)
 }
 
 /* For each received frame: latency = now - the timestamp it carries; then, when `restamp`, stamp it with now (it
- * goes back out right away: macfwd). One clock read per burst. */
+ * goes back out right away: macfwd). One clock read per burst; the counters in locals (the stamp's store through a
+ * byte pointer may alias anything, so fields read through l would be reloaded after each packet). */
 static inline void vn_lat_measure(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n, int restamp)
 {
     uint64_t now = vn_now_ns();
+    const uint16_t *data_off = p->data_off;
+    const uint32_t *data_len = p->data_len;
+    uint8_t *host = p->host;
+    uint64_t *hist = l->hist, bs = p->buf_size;
+    uint64_t count = l->count, sum = l->sum, min = l->min, max = l->max, bad = l->bad;
+    uint32_t ts_off = l->ts_off;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t b = idx[i];
-        if (p->data_len[b] < l->ts_off + 8) {
-            l->bad++;
+        if (data_len[b] < ts_off + 8) {
+            bad++;
             continue;
         }
-        uint8_t *d = vn_buf(p, b) + p->data_off[b] + l->ts_off;
+        uint8_t *d = host + b * bs + data_off[b] + ts_off;
         uint64_t ts;
         memcpy(&ts, d, 8);
         if (restamp)
             memcpy(d, &now, 8);
         if (ts == 0 || ts > now) {
-            l->bad++;
+            bad++;
             continue;
         }
         uint64_t ns = now - ts;
-        l->count++;
-        l->sum += ns;
-        if (ns < l->min || l->count == 1)
-            l->min = ns;
-        if (ns > l->max)
-            l->max = ns;
-        l->hist[vn_lat_bucket(ns)]++;
+        if (ns < min || count == 0)
+            min = ns;
+        if (ns > max)
+            max = ns;
+        count++;
+        sum += ns;
+        hist[vn_lat_bucket(ns)]++;
     }
+    l->count = count; l->sum = sum; l->min = min; l->max = max; l->bad = bad;
 }
 
 static inline void vn_lat_update(struct vn_lat *l, struct vn_pool *p, const uint32_t *idx, uint32_t n)
