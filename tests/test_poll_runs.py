@@ -2,11 +2,15 @@
 the reference model: runs longer than one pass (VQ_RUN = 32), interrupted by chains of several descriptors and by
 indirect ones, and polls capped in the middle of a run, give the same chains, ids and ring state
 (SPLIT-V-04/05, PACKED-V-04/09/10/18, INORDER-02)."""
+import struct
+
 import numpy as np
 import pytest
 
 from rings import reference, virtq
-from rings.layout import VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, QueueLayout, bit
+from rings.errors import RingError
+from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTQ_DESC_F_AVAIL,
+                          VIRTQ_DESC_F_INDIRECT, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, QueueLayout, bit)
 from rings.shm import MemoryTable
 
 BASE, MEMSIZE, SIZE = 0x40000, 0x80000, 256
@@ -53,3 +57,64 @@ def test_runs_of_one_descriptor_chains_match_the_reference(fmt, in_order):
     assert sum(len(g) for g in out["c"][0]) == len(shapes)
     assert out["c"][1] == out["reference"][1]
     assert out["c"][2] == out["reference"][2]
+
+
+# ---- a chain left for lack of room is still checked first -------------------------------------------------
+
+CAP_SIZE = 16   # segment capacity 2 * 16 + 64 = 96: six indirect chains of 16 entries fill it
+
+
+def full_then(impl, fmt, defect):
+    """Six indirect chains of 16 entries (the whole segment capacity of one poll), then a chain with a defect:
+    a two-descriptor one (second descriptor outside memory, or readable after a writable head, or packed: an
+    id >= size) or a one-descriptor one (packed: an id >= size)."""
+    buf = bytearray(MEMSIZE)
+    mem = MemoryTable([(BASE, MEMSIZE, buf)])
+    lay = QueueLayout.contiguous(fmt, CAP_SIZE, BASE)
+    dev = impl.DeviceQueue(mem, lay, bit(VIRTIO_F_INDIRECT_DESC) | (bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0))
+    desc, avail = lay.desc - BASE, lay.driver - BASE
+    put = lambda off, *v: struct.pack_into("<QIHH", buf, off, *v)   # noqa: E731
+    av = VIRTQ_DESC_F_AVAIL
+    for j in range(CAP_SIZE):
+        last = j == CAP_SIZE - 1
+        put(INDIRECT - BASE + 16 * j, DATA, 64, 0 if last or fmt == "packed" else VIRTQ_DESC_F_NEXT,
+            0 if last or fmt == "packed" else j + 1)
+    for k in range(6):
+        if fmt == "split":
+            put(desc + 16 * k, INDIRECT, 16 * CAP_SIZE, VIRTQ_DESC_F_INDIRECT, 0)
+            struct.pack_into("<H", buf, avail + 4 + 2 * k, k)
+        else:
+            put(desc + 16 * k, INDIRECT, 16 * CAP_SIZE, k, VIRTQ_DESC_F_INDIRECT | av)
+    bad_addr = BASE + MEMSIZE - 32 if defect == "outside" else DATA
+    head_w = VIRTQ_DESC_F_WRITE if defect == "readable_after_writable" else 0
+    bad_id = CAP_SIZE + 3 if defect in ("id", "simple_id") else 6
+    if fmt == "split":
+        put(desc + 16 * 6, DATA, 64, VIRTQ_DESC_F_NEXT | head_w, 7)
+        put(desc + 16 * 7, bad_addr, 64, 0, 0)
+        struct.pack_into("<H", buf, avail + 4 + 2 * 6, 6)
+        struct.pack_into("<H", buf, avail + 2, 7)
+    elif defect == "simple_id":
+        put(desc + 16 * 6, DATA, 64, bad_id, av)
+    else:
+        put(desc + 16 * 7, bad_addr, 64, bad_id, av)
+        put(desc + 16 * 6, DATA, 64, 6, VIRTQ_DESC_F_NEXT | head_w | av)
+    return buf, dev
+
+
+@pytest.mark.parametrize("fmt,defect", [("split", "outside"), ("split", "readable_after_writable"),
+                                        ("packed", "outside"), ("packed", "readable_after_writable"),
+                                        ("packed", "id"), ("packed", "simple_id")])
+def test_split_v_14_packed_d_23_chain_left_for_lack_of_room_is_refused_like_the_reference(fmt, defect):
+    """SPLIT-V-14, SPLIT-D-02/PACKED-D-10, FEAT-07, PACKED-D-23: a defective chain right after a poll's segment
+    capacity is full is refused by that poll, as the reference model refuses it (it walks and checks a chain
+    before it asks whether it fits); the C engine left it unchecked for the next poll."""
+    errors = {}
+    for name, impl in (("c", virtq), ("reference", reference)):
+        buf, dev = full_then(impl, fmt, defect)
+        before = bytes(buf)
+        with pytest.raises(RingError) as info:
+            dev.poll()
+        assert dev.broken is info.value
+        assert bytes(buf) == before, "a device that refuses a ring must not write it"
+        errors[name] = type(info.value)
+    assert errors["c"] is errors["reference"]

@@ -716,13 +716,13 @@ static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t
             return vq_dev_fail(q, VQ_ERR_WRITABLE_BEFORE_READABLE, addr, len);
         *rlen += len;
     }
-    if (*s >= c->cap_segs)
-        return 1;   /* no room: leave the chain for the next poll */
-    c->seg_addr[*s] = addr;
-    c->seg_len[*s] = len;
-    c->seg_write[*s] = (uint8_t)writable;
-    if (c->seg_host)
-        c->seg_host[*s] = host;
+    if (*s < c->cap_segs) {   /* past it, only counted: vq_dev_finish_chain leaves the chain, checked */
+        c->seg_addr[*s] = addr;
+        c->seg_len[*s] = len;
+        c->seg_write[*s] = (uint8_t)writable;
+        if (c->seg_host)
+            c->seg_host[*s] = host;
+    }
     (*s)++;
     return 0;
 }
@@ -761,6 +761,8 @@ static inline int vq_dev_finish_chain(struct vq_device *q, struct vq_chains *c, 
 {
     if (rlen > 0xffffffffu || wlen > 0xffffffffu)   /* SPLIT-D-04 */
         return vq_dev_fail(q, VQ_ERR_CHAIN_TOO_LONG, rlen, wlen);
+    if (s > c->cap_segs)
+        return 1;   /* no room: leave the chain, every rule checked, for the next poll */
     uint32_t k = c->n++;
     c->id[k] = id; c->ndesc[k] = ndesc; c->seg_start[k] = s0; c->nseg[k] = (uint16_t)(s - s0);
     c->rlen[k] = (uint32_t)rlen; c->wlen[k] = (uint32_t)wlen;
@@ -1012,16 +1014,16 @@ static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c,
                 rc = vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
                 break;
             }
-            if (r.n >= room) {
-                more = 0;
-                break;
-            }
             if (id >= size) {   /* PACKED-V-10 */
                 rc = vq_dev_fail(q, VQ_ERR_PACKED_ID_OUT_OF_RANGE, id, slot);
                 break;
             }
             if (id_inflight[id]) {
                 rc = vq_dev_fail(q, VQ_ERR_ID_IN_USE, id, slot);
+                break;
+            }
+            if (r.n >= room) {   /* after every check, as in the general walk */
+                more = 0;
                 break;
             }
             id_inflight[id] = 1;
