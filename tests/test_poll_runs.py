@@ -118,3 +118,27 @@ def test_split_v_14_packed_d_23_chain_left_for_lack_of_room_is_refused_like_the_
         assert bytes(buf) == before, "a device that refuses a ring must not write it"
         errors[name] = type(info.value)
     assert errors["c"] is errors["reference"]
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_split_d_02_packed_d_10_feat_07_segment_breaking_two_rules_refused_like_the_reference(fmt):
+    """SPLIT-D-02/PACKED-D-10 and FEAT-07 at once: the readable second descriptor of a two-descriptor chain
+    with a writable head also lies outside guest memory. Either rule refuses it; the C engine must name the one
+    the reference model names (the order of readable before writable, then the address)."""
+    errors = {}
+    for name, impl in (("c", virtq), ("reference", reference)):
+        buf = bytearray(MEMSIZE)
+        mem = MemoryTable([(BASE, MEMSIZE, buf)])
+        lay = QueueLayout.contiguous(fmt, 8, BASE)
+        dev = impl.DeviceQueue(mem, lay, bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0)
+        desc, av = lay.desc - BASE, VIRTQ_DESC_F_AVAIL if fmt == "packed" else 0
+        struct.pack_into("<QIHH", buf, desc + 16, BASE + MEMSIZE - 32, 64, *((1, av) if fmt == "packed" else (0, 0)))
+        struct.pack_into("<QIHH", buf, desc, DATA, 64,
+                         *((1, av | VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE) if fmt == "packed"
+                           else (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_WRITE, 1)))
+        if fmt == "split":
+            struct.pack_into("<HHH", buf, lay.driver - BASE, 0, 1, 0)   # flags, idx = 1, ring[0] = head 0
+        with pytest.raises(RingError) as info:
+            dev.poll()
+        errors[name] = type(info.value)
+    assert errors["c"] is errors["reference"]

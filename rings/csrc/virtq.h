@@ -701,10 +701,13 @@ static inline int vq_dev_set_base(struct vq_device *q, uint32_t base, uint32_t t
     return 0;
 }
 
-/* Emit one segment into the chains arrays; checks translation and readable-before-writable. */
+/* Emit one segment into the chains arrays; checks readable-before-writable, then translation (the reference
+ * model's order, so that a segment breaking both rules gives the same error). */
 static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t *s, uint64_t addr,
                               uint32_t len, int writable, int *seen_w, uint64_t *rlen, uint64_t *wlen)
 {
+    if (!writable && *seen_w)
+        return vq_dev_fail(q, VQ_ERR_WRITABLE_BEFORE_READABLE, addr, len);
     uint8_t *host = vq_translate(q->mem, addr, len);
     if (!host)
         return vq_dev_fail(q, VQ_ERR_ADDRESS_OUT_OF_BOUNDS, addr, len);
@@ -712,8 +715,6 @@ static inline int vq_dev_emit(struct vq_device *q, struct vq_chains *c, uint32_t
         *seen_w = 1;
         *wlen += len;
     } else {
-        if (*seen_w)
-            return vq_dev_fail(q, VQ_ERR_WRITABLE_BEFORE_READABLE, addr, len);
         *rlen += len;
     }
     if (*s < c->cap_segs) {   /* past it, only counted: vq_dev_finish_chain leaves the chain, checked */
