@@ -732,10 +732,11 @@ class DeviceQueue(_Queue):
             if slot == self.size:
                 slot, wrap = 0, wrap ^ 1
             if flags & VIRTQ_DESC_F_INDIRECT:  # PACKED-D-20: an indirect descriptor stands alone
+                at = (first + ndesc - 1) % self.size   # its slot, as the C engine reports it
                 if flags & VIRTQ_DESC_F_NEXT:
-                    raise IndirectWithNext(f"{where}: INDIRECT together with NEXT", first, ndesc)
+                    raise IndirectWithNext(f"{where}: INDIRECT together with NEXT", first, at)
                 if ndesc > 1:
-                    raise IndirectWithNext(f"{where}: INDIRECT after a NEXT descriptor", first, ndesc)
+                    raise IndirectWithNext(f"{where}: INDIRECT after a NEXT descriptor", first, at)
                 table, entries = self._indirect_table(addr, length, where)
                 for j in range(entries):  # sequential entries; only WRITE counts (PACKED-V-13/14)
                     e_addr, e_len, _, e_flags = _DESC.unpack_from(table, 16 * j)

@@ -142,3 +142,26 @@ def test_split_d_02_packed_d_10_feat_07_segment_breaking_two_rules_refused_like_
             dev.poll()
         errors[name] = type(info.value)
     assert errors["c"] is errors["reference"]
+
+
+@pytest.mark.parametrize("with_next", [True, False])
+def test_packed_d_20_indirect_in_a_list_reports_the_same_slot_in_both(with_next):
+    """PACKED-D-20: a list whose second descriptor is INDIRECT (with NEXT, or ending the list) is refused by
+    both implementations with the same values: the list's first slot and the slot of the INDIRECT descriptor."""
+    got = {}
+    for name, impl in (("c", virtq), ("reference", reference)):
+        buf = bytearray(MEMSIZE)
+        mem = MemoryTable([(BASE, MEMSIZE, buf)])
+        lay = QueueLayout.contiguous("packed", 8, BASE)
+        dev = impl.DeviceQueue(mem, lay, bit(VIRTIO_F_RING_PACKED) | bit(VIRTIO_F_INDIRECT_DESC))
+        dev.set_base(0x8000 | 5)   # the list at slots 5, 6, 7
+        desc, av = lay.desc - BASE, VIRTQ_DESC_F_AVAIL
+        put = lambda slot, *v: struct.pack_into("<QIHH", buf, desc + 16 * slot, *v)   # noqa: E731
+        struct.pack_into("<QIHH", buf, INDIRECT - BASE, DATA, 64, 0, 0)   # a valid one-entry table
+        put(7, DATA, 64, 3, av)
+        put(6, INDIRECT, 16, 3, av | VIRTQ_DESC_F_INDIRECT | (VIRTQ_DESC_F_NEXT if with_next else 0))
+        put(5, DATA, 64, 3, av | VIRTQ_DESC_F_NEXT)
+        with pytest.raises(RingError) as info:
+            dev.poll()
+        got[name] = (type(info.value).__name__, info.value.a, info.value.b)
+    assert got["c"] == got["reference"] == ("IndirectWithNext", 5, 6)
