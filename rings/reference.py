@@ -673,12 +673,13 @@ class DeviceQueue(_Queue):
             return None
         slot = self.last_avail % self.size
         head = self._get16(self.avail, 4 + 2 * slot)
+        # the values: the head and the free-running avail position, as the C engine reports them
         if head >= self.size:  # SPLIT-V-14
             raise HeadOutOfRange(f"avail.ring[{slot}] holds head {head}, outside the queue "
-                                 f"(size {self.size})", head, slot)
+                                 f"(size {self.size})", head, self.last_avail)
         if self.id_inflight[head]:  # SPLIT-D-13: a head the device still owns
             raise BufferIdInUse(f"avail.ring[{slot}] holds head {head}, which is already in flight",
-                                head, slot)
+                                head, self.last_avail)
         chain, ndesc = [], 0
         table, limit, in_table = self.desc, self.size, False
         i, hops = head, 0

@@ -165,3 +165,26 @@ def test_packed_d_20_indirect_in_a_list_reports_the_same_slot_in_both(with_next)
             dev.poll()
         got[name] = (type(info.value).__name__, info.value.a, info.value.b)
     assert got["c"] == got["reference"] == ("IndirectWithNext", 5, 6)
+
+
+@pytest.mark.parametrize("defect", ["head_out_of_range", "head_in_flight"])
+def test_split_v_14_split_d_13_bad_head_reports_the_same_values_in_both(defect):
+    """SPLIT-V-14 / SPLIT-D-13: a head >= queue size, or one already in flight, past a vring base that is not a
+    multiple of the ring size, is refused by both implementations with the same values: the head and the
+    free-running avail position (not its ring slot)."""
+    got = {}
+    for name, impl in (("c", virtq), ("reference", reference)):
+        buf = bytearray(MEMSIZE)
+        mem = MemoryTable([(BASE, MEMSIZE, buf)])
+        lay = QueueLayout.contiguous("split", 4, BASE)
+        dev = impl.DeviceQueue(mem, lay, 0)
+        dev.set_base(5)
+        avail = lay.driver - BASE
+        struct.pack_into("<QIHH", buf, lay.desc - BASE + 16 * 2, DATA, 64, 0, 0)
+        second = 9 if defect == "head_out_of_range" else 2
+        struct.pack_into("<HHHHHH", buf, avail, 0, 7, 0, 2, second, 0)   # idx 7: ring[1] = 2, ring[2] = second
+        with pytest.raises(RingError) as info:
+            dev.poll()
+        got[name] = (type(info.value).__name__, info.value.a, info.value.b)
+    assert got["c"] == got["reference"]
+    assert got["c"][1:] == (second, 6)
