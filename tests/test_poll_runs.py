@@ -71,7 +71,8 @@ def full_then(impl, fmt, defect):
     buf = bytearray(MEMSIZE)
     mem = MemoryTable([(BASE, MEMSIZE, buf)])
     lay = QueueLayout.contiguous(fmt, CAP_SIZE, BASE)
-    dev = impl.DeviceQueue(mem, lay, bit(VIRTIO_F_INDIRECT_DESC) | (bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0))
+    features = bit(VIRTIO_F_INDIRECT_DESC) | (bit(VIRTIO_F_RING_PACKED) if fmt == "packed" else 0)
+    dev = impl.DeviceQueue(mem, lay, features)
     desc, avail = lay.desc - BASE, lay.driver - BASE
     put = lambda off, *v: struct.pack_into("<QIHH", buf, off, *v)   # noqa: E731
     av = VIRTQ_DESC_F_AVAIL
