@@ -182,3 +182,30 @@ def test_a_backend_frozen_at_the_stop_still_gets_the_report(tmp_path):
     assert res["error"]["type"] == "ProtocolTimeout" and "SET_VRING_ENABLE" in res["error"]["message"], res["error"]
     assert res["stop"]["reason"] == "seconds" and res["injected"] == 32
     assert res["tx_unfinished"] == 32 and "vring_bases" not in res     # never completed, and no base came back
+
+
+
+def test_a_backend_killed_mid_run_reports_only_the_tx_it_never_completed(tmp_path):
+    """A real `vring vhost` killed (SIGKILL) while the driver forwards 8 frames: the report that comes with the
+    PeerGone counts as unfinished only Tx buffers the backend never completed, at most the 8 frames there are.
+    What it completed is in the used ring (our memory, there after it died) and is reclaimed first; the driver
+    reclaims lazily, so before that up to a cleanup threshold of completed buffers were counted as well (72 of 8
+    frames)."""
+    sock, procs = str(tmp_path / "vh.sock"), Procs()
+    try:
+        backend = procs.start("vhost", "--socket", sock, "--fwd", "macswap")
+        wait_for(sock, backend)
+        proc = driver(sock, "--count", 8, "--idle-first", 0.1, "--seconds", 30, "--drain", 0)
+        procs.procs.append(proc)
+        t0 = time.monotonic()
+        while "idle for" not in proc.stderr.readline():                 # the device is started
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "the driver did not start"
+        time.sleep(0.5)                                                 # forwarding
+        backend.kill()
+        rc, out, err = finish(proc)
+    finally:
+        procs.close()
+    assert rc == 2 and "PeerGone" in err, err
+    res = json.loads(out)
+    assert res["error"]["type"] == "PeerGone" and res["injected"] == 8 and res["rx"]["packets"] > 1000, res
+    assert res["tx_unfinished"] <= 8, res
