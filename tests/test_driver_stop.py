@@ -90,6 +90,19 @@ def test_polling_honours_seconds_within_100ms_whatever_the_spin(server, sock, mo
         assert res["rx"]["packets"] > 32
 
 
+def test_macfwd_injection_honours_seconds(server, sock):
+    """macfwd --count injects its frames first (tx_first): once --seconds is up, it stops injecting instead of
+    building every frame left only to free it as a Tx failure (200 ms late at --count 1000000, linear in --count).
+    What it did inject is accounted: sent, or a Tx failure."""
+    count = 1_000_000
+    rc, out, err = collect(driver(sock, "--count", count, "--seconds", 0.05, "--drain", 0), timeout=30)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "seconds" and res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert res["injected"] + res["tx_fail"] < count, res                 # frames past the deadline never built
+    assert res["tx"]["packets"] >= res["injected"] > 0
+
+
 def test_polled_macfwd_stops_on_sigterm_within_100ms_whatever_the_spin(server, sock):
     proc = driver(sock, "--mode", "macfwd", "--spin", SPIN, "--drain", "0")
     try:

@@ -456,7 +456,7 @@ class _Loop:
                 if self.holding:
                     self.ledger = Ledger(cfg.count)
             left = cfg.count
-            while left and not self.stop.flag:
+            while left and not self.stop.flag and time.monotonic() < deadline:
                 k = self._gen(min(cfg.burst, left))
                 if k == 0:
                     break
