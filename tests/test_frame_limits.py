@@ -155,3 +155,14 @@ def test_net_24_small_rx_buffers_without_mrg_rxbuf_are_a_warning(server, sock_pa
         want = "Rx buffers of 140 bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least 1526"
         assert len(res["warnings"]) == 1 and res["warnings"][0].startswith(want), res["warnings"]
         assert f"vring driver: warning: {want}" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["--split", "--packed"])
+def test_split_l_06_packed_l_04_queue_size_1_runs_with_indirect_negotiated(server, sock_path, fmt):
+    """SPLIT-L-06 / PACKED-L-04: a queue of one entry is a valid queue. With VIRTIO_F_INDIRECT_DESC negotiated (the
+    default) the driver has no indirect table to give it (a table holds 2..queue size entries): its one-descriptor
+    frames go directly into the ring. It used to fail at start with "indirect tables must hold 2..1 entries"."""
+    rc, out, err = driver(sock_path, fmt, "--ring-size", 1, "--count", 1, "--seconds", 0.3, "--drain", 0)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert "INDIRECT_DESC" in res["feature_names"] and res["injected"] == 1 and res["rx"]["packets"] > 1, res

@@ -180,9 +180,13 @@ class TxQueue:
         _choice("doorbell", doorbell, DOORBELL)
         if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
             raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
+        # a table holds 2..queue size entries (SPLIT-D-05): a queue of one entry has none, its chains are direct
+        if hdr == "indirect" and mem.indirect_max < 2:
+            raise ConfigError(f"indirect Tx headers need indirect tables of at least 2 entries (the header and the "
+                              f"frame; at most the queue size), not {mem.indirect_max}")
         force_slow = force_slow or hdr != "headroom"
         ind = (mem.gpa + mem.ind_off, mem.indirect_max) \
-            if has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain" else None
+            if has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain" and mem.indirect_max >= 2 else None
         self.vq = _virtq.DriverQueue(mem.table, mem.tx_layout, features, indirect=ind)
         n = self.vq.size
         # the cleanup variant, fixed here: in-order (one used entry may cover a batch) or normal (by id)
