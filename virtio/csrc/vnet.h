@@ -562,13 +562,21 @@ static inline int vn_rx_recv(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_
     return (int)nout;
 }
 
-/* Receive, then refill the ring in one go when at least refill_thresh slots are free. */
+/* After a receive of n packets: refill in one go when at least refill_thresh slots are free, or, when nothing came,
+ * whatever fits. The buffers still posted may be too few for the next packet (mergeable: several buffers each), and
+ * with fewer than refill_thresh free nothing would ever come to refill the ring again (NET-26). */
+static inline void vn_rx_refill_after(struct vn_rxq *r, int n)
+{
+    vn_rx_refill(r, n ? r->refill_thresh : 1);
+}
+
+/* Receive, then refill (vn_rx_refill_after). */
 static inline int vn_rx_burst(struct vn_rxq *r, uint32_t *out_idx, uint32_t *out_len, uint32_t max)
 {
     r->kick = 0;
     int n = vn_rx_recv(r, out_idx, out_len, max);
     if (n >= 0)
-        vn_rx_refill(r, r->refill_thresh);
+        vn_rx_refill_after(r, n);
     return n;
 }
 
@@ -808,7 +816,7 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
         if (t->q->num_free < t->cleanup_thresh && vn_tx_cleanup(t, t->cleanup_thresh) < 0)
             return -1;
     }
-    vn_rx_refill(r, r->refill_thresh);
+    vn_rx_refill_after(r, n);
     return n;
 }
 
@@ -918,7 +926,7 @@ static inline int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn
             vn_pool_free(p, rx_idx, (uint32_t)n);
             total += n;
         }
-        vn_rx_refill(r, r->refill_thresh);
+        vn_rx_refill_after(r, n);
         if (t->q->num_free < t->cleanup_thresh && vn_tx_cleanup(t, t->cleanup_thresh) < 0)
             return -1;
         if (k == 0 && n == 0) {
