@@ -166,3 +166,17 @@ def test_split_l_06_packed_l_04_queue_size_1_runs_with_indirect_negotiated(serve
     assert rc == 0, err
     res = json.loads(out)
     assert "INDIRECT_DESC" in res["feature_names"] and res["injected"] == 1 and res["rx"]["packets"] > 1, res
+
+
+@pytest.mark.parametrize("fmt", ["--split", "--packed"])
+def test_net_26_macfwd_verify_reposts_rx_before_it_forwards(server, sock_path, fmt):
+    """NET-26: a 448-byte frame takes 7 of the 8 Rx buffers (64 data bytes each, MRG_RXBUF). macfwd --verify
+    (Python once per burst) received it and sent it back before reposting: the backend found one buffer and
+    dropped the frame, and the run went on with nothing in flight (1 frame seen, 1 missing). The C loop reposts
+    before every send; so must this one."""
+    rc, out, err = driver(sock_path, fmt, "--ring-size", 8, "--buf-size", 192, "--pkt-size", 448, "--count", 1,
+                          "--verify", "--seconds", 0.3, "--drain", 0)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0, res["verify"]
+    assert res["rx"]["packets"] > 10, res["rx"]

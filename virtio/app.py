@@ -510,6 +510,7 @@ class _Loop:
         if self.lat is not None:
             lib.vn_lat_update(self.lat, self.nq.pool.c, self.p_idx, n)
         lib.vn_macswap(self.nq.pool.c, self.p_idx, n)
+        self.nq.rx.fill()   # repost before the send, as vn_fwd_burst does: the backend may need them for these frames
         sent = self.nq.tx.burst(self.idx[:n], self.lens[:n]) if n and self._send_backlog() else 0
         self._cap(self.idx[:sent])  # in flight: unchanged until they come back
         if sent < n:
