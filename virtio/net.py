@@ -130,8 +130,9 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
         return chain, slots
     room = buf_size - headroom
     how = " in one indirect table" if slots == 1 else ""
+    bufs = f"{chain - 1} buffer{'s' if chain > 2 else ''}"
     fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
-    raise ConfigError(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({chain - 1} buffers "
+    raise ConfigError(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} "
                       f"of {room} data bytes + 1 for the virtio-net header), more than the queue size {size}: no "
                       f"chain may be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of "
                       f"at least {1 << (chain - 1).bit_length()}"
