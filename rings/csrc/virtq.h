@@ -822,11 +822,15 @@ struct vq_run {
     uint8_t write[VQ_RUN];
 };
 
-/* The end of a run's second pass: its n chains (nseg segments, one ring slot each) are in c; count them in flight,
- * in the in-order fifo too. */
+/* The end of a run's second pass, its chain columns and segment lengths and addresses written: the segments'
+ * flags and host pointers into c, then its n chains (nseg segments, one ring slot each) counted in flight, in the
+ * in-order fifo too. */
 static inline void vq_run_commit(struct vq_device *q, struct vq_chains *c, const uint16_t *ids, uint32_t n,
-                                 uint32_t nseg)
+                                 const uint8_t *write, uint8_t *const *host, uint32_t nseg)
 {
+    memcpy(c->seg_write + c->nsegs, write, nseg);
+    if (c->seg_host)
+        memcpy(c->seg_host + c->nsegs, host, nseg * sizeof *host);
     if (q->in_order) {
         uint32_t tail = (uint32_t)q->fifo_head + q->fifo_count, j;   /* no divide: both are < size */
         uint16_t *fifo = q->fifo, size = q->size;
@@ -866,10 +870,7 @@ static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const
         id_ndesc[r->id[j]] = 1;
         id_wlen[r->id[j]] = r->write[j] ? r->len[j] : 0;
     }
-    memcpy(c->seg_write + s0, r->write, n);
-    if (c->seg_host)
-        memcpy(c->seg_host + s0, r->host, n * sizeof *r->host);
-    vq_run_commit(q, c, r->id, n, n);
+    vq_run_commit(q, c, r->id, n, r->write, r->host, n);
 }
 
 /* A run of two-descriptor chains: chain j is segments 2j and 2j + 1. */
@@ -899,10 +900,7 @@ static inline void vq_pairs_record(struct vq_device *q, struct vq_chains *c, con
     }
     memcpy(c->seg_len + s0, r->len, 2 * n * sizeof *r->len);
     memcpy(c->seg_addr + s0, r->addr, 2 * n * sizeof *r->addr);
-    memcpy(c->seg_write + s0, r->write, 2 * n);
-    if (c->seg_host)
-        memcpy(c->seg_host + s0, r->host, 2 * n * sizeof *r->host);
-    vq_run_commit(q, c, r->id, n, 2 * n);
+    vq_run_commit(q, c, r->id, n, r->write, r->host, 2 * n);
 }
 
 /* The two descriptors of a direct chain, read: take them into the run as its chain r->n if the general walk
