@@ -200,7 +200,7 @@ def _processes_mentioning(text):
     (["--cpus", "0,4096"], "not one this process may use"),
     (["--pairs", "ours/dpdk", "--pkt-size", "4000"], "mbufs"),
     (["--no-mrg-rxbuf", "--pkt-size", "1500,3000"], "our driver, --pkt-size 3000: a 3000-byte frame and its 12-byte "
-                                                    "header do not fit one 1932-byte Rx buffer"),
+                                                    "header do not fit one 1920-byte Rx buffer"),
     (["--driver", "qemu"], "invalid choice"),
     (["--seconds", "x"], "invalid float"),
     (["--rate", "0"], "out of range"),

@@ -16,12 +16,13 @@ from rings.layout import VIRTIO_F_INDIRECT_DESC, bit
 from virtio import packets
 from virtio._net import ffi, lib
 from virtio.app import DriverConfig, _Loop, _Stop
-from virtio.net import INDIRECT_MAX, TX_HDR, NetQueues, check_tx_frame, tx_descs
+from virtio.net import HEADROOM, INDIRECT_MAX, TX_HDR, NetQueues, check_tx_frame, tx_descs
 
 from tests.procs import VRING, collect
 
-BUF = 256                        # 128 data bytes a buffer after the 128-byte headroom
-ROOM = BUF - 128
+BUF = 256                        # 116 data bytes a buffer after the 140-byte headroom
+ROOM = BUF - HEADROOM
+JUMBO_DESCS = -(-9000 // ROOM) + 1   # a 9000-byte frame's segments + a header descriptor: 79
 
 
 def driver(sock, *args):
@@ -77,19 +78,19 @@ def test_tx_descs_one_descriptor_only_on_the_headroom_fast_path():
 
 @pytest.mark.parametrize("args", [
     ("--tx-hdr", "chain", "--mode", "macfwd", "--count", 8),
-    ("--tx-hdr", "headroom", "--mode", "txonly", "--count", 8),              # indirect negotiated: 72 > 8, direct
+    ("--tx-hdr", "headroom", "--mode", "txonly", "--count", 8),              # indirect negotiated: 79 > 8, direct
     ("--tx-hdr", "indirect", "--mode", "rate", "--rate", 1000),
     ("--tx-hdr", "chain", "--mode", "macfwd", "--count", 8, "--no-indirect"),
 ], ids=["chain-macfwd", "headroom-txonly", "indirect-rate", "chain-no-indirect"])
 def test_split_d_05_driver_refuses_a_frame_longer_than_the_ring_at_start(server, sock_path, args):
-    """vring driver --pkt-size 9000 --buf-size 256 --ring-size 64: 71 segments + a header descriptor = 72 > 64. It
+    """vring driver --pkt-size 9000 --buf-size 256 --ring-size 64: 78 segments + a header descriptor = 79 > 64. It
     used to connect and retry the injection until --timeout (1.7 M counted errors) and exit 0; now it says why
     before connecting."""
     t0 = time.monotonic()
     rc, out, err = driver(sock_path, "--pkt-size", 9000, "--buf-size", BUF, "--ring-size", 64, "--seconds", 1,
                           "--timeout", 5, *args)
     assert rc == 2 and out == "", (rc, out[-300:], err)
-    assert "vring driver: ConfigError: a 9000-byte frame takes 72 descriptors on transmitq" in err, err
+    assert f"vring driver: ConfigError: a 9000-byte frame takes {JUMBO_DESCS} descriptors on transmitq" in err, err
     assert "more than the queue size 64" in err and "ring size of at least 128" in err, err
     assert server.server.connections == 0, "refused before connecting"
     assert time.monotonic() - t0 < 30
@@ -122,17 +123,17 @@ def test_a_refused_injection_is_not_retried():
 @pytest.mark.parametrize("mode", [("--mode", "macfwd", "--count", 8), ("--mode", "rate", "--rate", 1000),
                                   ("--mode", "rxonly", "--verify")], ids=["macfwd", "rate", "rxonly-verify"])
 def test_net_27_without_mrg_rxbuf_a_frame_larger_than_an_rx_buffer_is_refused(server, sock_path, mode):
-    """Without MRG_RXBUF the device puts each frame into one Rx buffer (1932 bytes: 2048 - 128 headroom + the
+    """Without MRG_RXBUF the device puts each frame into one Rx buffer (1920 bytes: 2048 - 140 headroom + the
     12-byte header) and drops what does not fit: the run used to lose every frame and exit 0."""
-    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1921, "--seconds", 1, *mode)
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1909, "--seconds", 1, *mode)
     assert rc == 2 and out == "", (rc, out[-300:], err)
-    assert ("vring driver: ConfigError: a 1921-byte frame and its 12-byte header do not fit one 1932-byte Rx "
+    assert ("vring driver: ConfigError: a 1909-byte frame and its 12-byte header do not fit one 1920-byte Rx "
             "buffer") in err and "NET-27" in err and "buffer size of at least 2112" in err, err
     assert server.server.connections == 0, "refused before connecting"
 
 
 def test_net_27_without_mrg_rxbuf_a_frame_that_fills_an_rx_buffer_arrives(server, sock_path):
-    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1920, "--count", 8, "--seconds", 0.5,
+    rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1908, "--count", 8, "--seconds", 0.5,
                           "--verify")
     res = json.loads(out)
     assert rc == 0 and res["warnings"] == [], err
@@ -142,7 +143,7 @@ def test_net_27_without_mrg_rxbuf_a_frame_that_fills_an_rx_buffer_arrives(server
 
 @pytest.mark.parametrize("mrg", [False, True], ids=["no_mrg_rxbuf", "mrg_rxbuf"])
 def test_net_24_small_rx_buffers_without_mrg_rxbuf_are_a_warning(server, sock_path, mrg):
-    """140-byte Rx buffers: below NET-24's 1526 without MRG_RXBUF (a SHOULD): the run goes on, the frames fit and
+    """128-byte Rx buffers: below NET-24's 1526 without MRG_RXBUF (a SHOULD): the run goes on, the frames fit and
     arrive, and the report says so. With MRG_RXBUF larger frames would span buffers: no warning."""
     rc, out, err = driver(sock_path, "--mrg-rxbuf" if mrg else "--no-mrg-rxbuf", "--buf-size", BUF, "--pkt-size",
                           64, "--count", 8, "--seconds", 0.5, "--verify")
@@ -152,7 +153,7 @@ def test_net_24_small_rx_buffers_without_mrg_rxbuf_are_a_warning(server, sock_pa
     if mrg:
         assert res["warnings"] == [] and "warning" not in err, err
     else:
-        want = "Rx buffers of 140 bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least 1526"
+        want = f"Rx buffers of {ROOM + 12} bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least 1526"
         assert len(res["warnings"]) == 1 and res["warnings"][0].startswith(want), res["warnings"]
         assert f"vring driver: warning: {want}" in err, err
 
@@ -170,11 +171,11 @@ def test_split_l_06_packed_l_04_queue_size_1_runs_with_indirect_negotiated(serve
 
 @pytest.mark.parametrize("fmt", ["--split", "--packed"])
 def test_net_26_macfwd_verify_reposts_rx_before_it_forwards(server, sock_path, fmt):
-    """NET-26: a 448-byte frame takes 7 of the 8 Rx buffers (64 data bytes each, MRG_RXBUF). macfwd --verify
-    (Python once per burst) received it and sent it back before reposting: the backend found one buffer and
-    dropped the frame, and the run went on with nothing in flight (1 frame seen, 1 missing). The C loop reposts
-    before every send; so must this one."""
-    rc, out, err = driver(sock_path, fmt, "--ring-size", 8, "--buf-size", 192, "--pkt-size", 448, "--count", 1,
+    """NET-26: a 360-byte frame and its header take 6 of the 8 Rx buffers (64 bytes each, MRG_RXBUF) and, sent back,
+    8 Tx descriptors (7 segments of 52 data bytes + the header). macfwd --verify (Python once per burst) received it
+    and sent it back before reposting: the backend found two buffers and dropped the frame, and the run went on with
+    nothing in flight (1 frame seen, 1 missing). The C loop reposts before every send; so must this one."""
+    rc, out, err = driver(sock_path, fmt, "--ring-size", 8, "--buf-size", 192, "--pkt-size", 360, "--count", 1,
                           "--verify", "--seconds", 0.3, "--drain", 0)
     assert rc == 0, err
     res = json.loads(out)

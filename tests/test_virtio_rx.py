@@ -88,11 +88,11 @@ def test_rx_strips_header(variant):
 @pytest.mark.parametrize("fmt", ["split", "packed_in_order"])
 def test_mergeable_packet_comes_back_as_one(fmt):  # NET-29, NET-32
     features = VARIANTS[fmt] | MRG
-    nq, dev = make(features, buf_size=256)        # 256 - 128 headroom + 12 = 140-byte buffers
-    frame = bytes(range(256)) * 5 + bytes(234)    # 1514 bytes -> ceil((12 + 1514) / 140) = 11 buffers
+    nq, dev = make(features, buf_size=256)        # 256 - 140 headroom + 12 = 128-byte buffers
+    frame = bytes(range(256)) * 5 + bytes(234)    # 1514 bytes -> ceil((12 + 1514) / 128) = 12 buffers
     small = b"s" * 60
     ch, ids, lens = deliver(nq, dev, [small, frame, small], mrg=True)
-    assert len(ids) == 1 + 11 + 1
+    assert len(ids) == 1 + 12 + 1
     dev.push_used(ids, lens)
     dev.flush()
     idx, plen = nq.rx.burst(8)
@@ -100,9 +100,9 @@ def test_mergeable_packet_comes_back_as_one(fmt):  # NET-29, NET-32
     assert nq.pool.data(idx[1]) == frame
     assert nq.pool.data(idx[0]) == small == nq.pool.data(idx[2])
     c = nq.rx.counters()
-    assert c["packets"] == 3 and c["buffers"] == 13 and c["merged"] == 1
+    assert c["packets"] == 3 and c["buffers"] == 14 and c["merged"] == 1
     held = nq.pool.nbufs - nq.pool.available - nq.rx.vq.inflight
-    assert held == 13                              # the packets hold all 13 buffers (chained)
+    assert held == 14                              # the packets hold all 14 buffers (chained)
     nq.pool.free(idx)
     assert nq.pool.nbufs - nq.pool.available - nq.rx.vq.inflight == 0
     nq.close()
@@ -111,7 +111,7 @@ def test_mergeable_packet_comes_back_as_one(fmt):  # NET-29, NET-32
 def test_mergeable_partial_packet_waits_for_its_buffers():
     features = VARIANTS["split"] | MRG
     nq, dev = make(features, buf_size=256)
-    frame = bytes(range(200)) * 2                  # 400 bytes: 3 buffers of 140
+    frame = bytes(range(175)) * 2                  # 350 bytes + 12 header: 3 buffers of 128
     ch, ids, lens = deliver(nq, dev, [frame], mrg=True)
     assert len(ids) == 3
     dev.push_used(ids[:2], lens[:2])               # a device that publishes early (not allowed, NET-31) ...
@@ -121,7 +121,7 @@ def test_mergeable_partial_packet_waits_for_its_buffers():
     dev.push_used(ids[2:], lens[2:])
     dev.flush()
     idx, plen = nq.rx.burst(8)
-    assert list(plen) == [400] and nq.pool.data(idx[0]) == frame
+    assert list(plen) == [350] and nq.pool.data(idx[0]) == frame
     nq.close()
 
 
@@ -184,9 +184,9 @@ def test_in_order_batched_used_entries_with_mergeable(fmt):  # INORDER-10: skipp
     nq = NetQueues(features, size=64, nbufs=1024, burst=8, buf_size=256)
     dev = DeviceQueue(nq.mem.table, nq.mem.rx_layout, features, in_order_batch=True)
     nq.rx.fill()
-    frame = bytes(range(250)) + bytes(range(100))       # 350 bytes + 12 header: 140 + 140 + 82
+    frame = bytes(range(250)) + bytes(range(100))       # 350 bytes + 12 header: 128 + 128 + 106
     _, ids, lens = deliver(nq, dev, [frame], mrg=True)
-    assert lens == [140, 140, 82]
+    assert lens == [128, 128, 106]
     dev.push_used(ids, lens)
     dev.flush()                                          # one used entry for the three buffers
     if fmt.startswith("split"):

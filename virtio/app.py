@@ -78,7 +78,7 @@ class DriverConfig:
     timeout: float = 5.0
     pin: int | None = None
     nbufs: int = 0
-    buf_size: int = 2048      # pool buffer size (headroom 128 included); small buffers make Rx merge
+    buf_size: int = 2048      # pool buffer size (headroom 140 included); small buffers make Rx merge
     ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
     pcap: str | None = None   # write the frames sent and received (Python once per burst while capturing)
     pcap_count: int = 10000   # at most this many frames (0: no limit)
@@ -347,8 +347,9 @@ class _Loop:
             self.lat.ts_off = packets.TS_OFF
             nq.rx.c.lat = self.lat
         if cfg.mode == "macfwd":   # it writes the frame's first line, and the header's when that is in the headroom
-            nq.rx.c.own_lines = lib.VN_OWN_FRAME | (lib.VN_OWN_HDR if cfg.tx_hdr == "headroom"
-                                                    and not cfg.force_slow else 0)
+            hr, hs = nq.pool.headroom, nq.rx.c.hdr_size   # (with net.HEADROOM both are one line)
+            own_hdr = cfg.tx_hdr == "headroom" and not cfg.force_slow and (hr - hs) // 64 != hr // 64
+            nq.rx.c.own_lines = lib.VN_OWN_FRAME | (lib.VN_OWN_HDR if own_hdr else 0)
         self.pace = None
         self.bad = 0
         self.seen = None
