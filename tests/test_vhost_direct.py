@@ -4,7 +4,11 @@ from the driver's Tx buffer into its Rx buffer and their MACs swapped there.
 NET-21: the device never writes into a Tx (device-readable) buffer: the frames the driver sent are unchanged.
 NET-29/30/31: a frame spread over several mergeable Rx buffers (the general path, from a staged copy) arrives
 whole, with num_buffers set; retries re-send the staged copy, never swap twice.
+NET-28/29: the backend leaves an Rx header it would write unchanged alone (vh_hdr_put), so what a buffer held
+before must never survive in its place.
 """
+import struct
+
 import numpy as np
 import pytest
 
@@ -89,3 +93,29 @@ def test_direct_and_staged_deliver_the_same(variant):
         out.append([pool.data(b) for b in got])
         lp.close()
     assert out[0] == out[1] and len(out[0]) == 16
+
+
+RX_HDR_1 = struct.pack("<BBHHHHH", 0, 0, 0, 0, 0, 0, 1)   # nothing offloaded, num_buffers 1
+
+
+@pytest.mark.parametrize("stale", [RX_HDR_1, b"\x01" + RX_HDR_1[1:], RX_HDR_1[:8] + b"\x07\x00" + RX_HDR_1[10:],
+                                   RX_HDR_1[:10] + b"\x00\x00", RX_HDR_1[:10] + b"\x02\x00", bytes(range(1, 13))],
+                         ids=["same", "flags", "csum_offset", "num_buffers_0", "num_buffers_2", "garbage"])
+@pytest.mark.parametrize("mrg", [True, False], ids=["mrg", "no_mrg"])
+@pytest.mark.parametrize("flush", ["none", "rx-batch"])
+def test_net_28_net_29_rx_header_rewritten_whatever_the_buffer_held(variant, mrg, flush, stale):
+    lp = Loop(variant | (bit(VIRTIO_NET_F_MRG_RXBUF) if mrg else 0), txq_flush=flush)
+    pool, hs = lp.nq.pool, lp.nq.hdr_size
+    assert hs == 12
+    at = np.arange(pool.nbufs)[:, None] * pool.buf_size + pool.headroom - hs + np.arange(hs)
+    pool.mem[at] = np.frombuffer(stale, np.uint8)   # every header room, the posted Rx buffers' included
+    idx = pool.alloc(8)
+    for k, b in enumerate(idx):
+        pool.write(b, frame(k, 60))
+    assert lp.nq.tx.burst(idx, np.full(8, 60, np.uint32)) == 8
+    assert lp.dp.run(max_iters=1) == {}
+    got, lens = lp.nq.rx.burst(32)
+    assert [pool.data(b) for b in got] == [swapped(frame(k, 60)) for k in range(8)]
+    assert [bytes(pool.mem[at[b]]) for b in got] == [RX_HDR_1] * 8
+    pool.free(got)
+    lp.close()

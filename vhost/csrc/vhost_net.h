@@ -290,15 +290,37 @@ static inline void vh_hdr_fill(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
     }
 }
 
+/* vh_hdr_fill into guest memory, skipped when the buffer holds that header already: a driver that reuses its
+ * buffers (DPDK's mbufs) finds last round's header there and only reads it, so the line stays shared with its
+ * core instead of crossing to ours and back. The bytes are the same either way. */
+static inline void vh_hdr_put(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
+{
+    uint64_t lo;
+    __builtin_memcpy(&lo, h, 8);
+    if (hdr_len >= 12) {
+        uint32_t hi;
+        __builtin_memcpy(&hi, h + 8, 4);
+        if (lo == 0 && hi == (uint32_t)nbuf << 16)
+            return;
+    } else {
+        uint16_t hi;
+        __builtin_memcpy(&hi, h + 8, 2);
+        if (lo == 0 && hi == 0)
+            return;
+    }
+    vh_hdr_fill(h, hdr_len, nbuf);
+}
+
 static inline void vh_put_hdr(const struct vh_net *n, const struct vq_chains *c, uint32_t k, uint16_t nbuf)
 {
-    uint8_t h[12];
     uint32_t s = c->seg_start[k];
-    vh_hdr_fill(h, n->hdr_len, nbuf);
-    if (c->seg_write[s] && c->seg_len[s] >= n->hdr_len)
-        memcpy(c->seg_host[s], h, n->hdr_len);
-    else
+    if (c->seg_write[s] && c->seg_len[s] >= n->hdr_len) {
+        vh_hdr_put(c->seg_host[s], n->hdr_len, nbuf);
+    } else {
+        uint8_t h[12];
+        vh_hdr_fill(h, n->hdr_len, nbuf);
         vh_copy_in(c, k, 0, h, n->hdr_len);
+    }
 }
 
 /* Copy one packet into chain k right after the header (fast path: one writable segment). */
@@ -337,7 +359,7 @@ static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint3
             vh_prefetch2(host[start[k + VH_PREFETCH]], 1);
         uint8_t *dst = host[start[k]];
         const uint8_t *p = src[i];
-        vh_hdr_fill(dst, hdr, 1);
+        vh_hdr_put(dst, hdr, 1);
         vh_copy(dst + hdr, p, plen);
         if (swap && plen >= 12 && p != data + (uint64_t)i * size)   /* direct: still the driver's frame */
             vh_macswap(dst + hdr);
