@@ -73,12 +73,16 @@ MUTANTS = [
     # ---- memory order, driver --------------------------------------------------------------------
     Mutant("mem_02_avail_idx_before_ring_entry", ("MEM-02", "SPLIT-D-18"),
            "avail.idx is published before the ring entry of the head it covers",
-           ((H, "    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);",
+           ((H, "    vq_avail_put(&q->avail->ring[q->next_avail & (size - 1)], head);",
              "    VQ_RELEASE(q->avail->idx, (uint16_t)(q->next_avail + 1));\n"
-             "    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);"),
-            (REF, "        self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)",
+             "    vq_avail_put(&q->avail->ring[q->next_avail & (size - 1)], head);"),
+            (REF, "        if self._get16(self.avail, off) != head:",
              "        self._release16(self.avail, 2, (self.next_avail + 1) & 0xFFFF)\n"
-             "        self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)"))),
+             "        if self._get16(self.avail, off) != head:"))),
+    Mutant("split_d_18_avail_ring_entry_left_stale", ("SPLIT-D-18",),
+           "an avail.ring entry is stored only when it holds 0 (the skip compares with the wrong value)",
+           ((H, "    if (VQ_ONCE(*e) != head)", "    if (VQ_ONCE(*e) == 0)"),
+            (REF, "        if self._get16(self.avail, off) != head:", "        if self._get16(self.avail, off) == 0:"))),
     Mutant("mem_02_avail_idx_relaxed_store", ("MEM-02",),
            "avail.idx is published with a relaxed store (no release barrier)",
            ((H, "        VQ_RELEASE(q->avail->idx, q->next_avail);", "        VQ_SET(q->avail->idx, q->next_avail);"),

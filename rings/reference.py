@@ -332,8 +332,11 @@ class DriverQueue(_Queue):
             for j, (addr, length, write) in enumerate(segs):
                 _pack(_DESC, self.desc, 16 * idxs[j], addr, length, _chain_flags(j, last, write),
                       idxs[j + 1] if j < last else 0)
-        # SPLIT-D-11/13: the head goes into the next ring entry; idx is published later
-        self._put16(self.avail, 4 + 2 * (self.next_avail % self.size), head)
+        # SPLIT-D-11/13: the head goes into the next ring entry, stored only when it changes (as vq_avail_put: the
+        # device's line stays shared); idx is published later
+        off = 4 + 2 * (self.next_avail % self.size)
+        if self._get16(self.avail, off) != head:
+            self._put16(self.avail, off, head)
         self.next_avail = (self.next_avail + 1) & 0xFFFF
         self.unpublished += 1
         self.kick_added += 1

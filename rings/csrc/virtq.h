@@ -160,6 +160,15 @@ static inline uint32_t vq_wlen(const uint32_t *lens, uint32_t nread, uint32_t ns
     return w > 0xffffffffu ? 0xffffffffu : (uint32_t)w;
 }
 
+/* An avail ring entry, stored only when it changes: in order (head == slot), and in any steady recycling, the
+ * same heads come back to the same slots lap after lap; a line left unwritten stays shared with the device's
+ * core, and the device's read of it hits. The bytes are the same either way. */
+static inline void vq_avail_put(uint16_t *e, uint16_t head)
+{
+    if (VQ_ONCE(*e) != head)
+        VQ_STORE(*e, head);
+}
+
 /* Split: one buffer. Returns 0, or 1 when it does not fit. */
 static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
                                     uint32_t nread, uint32_t nseg, uint64_t token)
@@ -198,7 +207,7 @@ static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, 
     q->id_inflight[head] = 1;
     q->num_free -= needed;
     q->inflight++;
-    VQ_STORE(q->avail->ring[q->next_avail & (size - 1)], head);
+    vq_avail_put(&q->avail->ring[q->next_avail & (size - 1)], head);
     q->next_avail++;
     q->kick_added++;
     return 0;
@@ -309,7 +318,7 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
         head = in_order ? (uint16_t)((id + 1) & mask) : free_next[id];
         VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->flags, flags); VQ_STORE(d->next, 0);
         vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
-        VQ_STORE(ring[next_avail++ & mask], id);
+        vq_avail_put(&ring[next_avail++ & mask], id);
     }
     if (in_order)
         q->next_desc = head;
