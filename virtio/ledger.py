@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from . import packets
+from .pool import NONE
 
 SEQ_MASK = 0xFFFFFFFF
 
@@ -26,9 +27,29 @@ class Ledger:
         self.final = np.zeros(count, np.int64)        # copies that came back while draining
         self.duplicates = 0
 
-    def _tracked(self, pool, idx, seq):
-        # the lap is written in place: only where the field lies in the first segment
-        return (seq < len(self.laps)) & (pool.data_len[idx] >= packets.SEQ_OFF + 8)
+    @staticmethod
+    def _lap_bytes(pool, idx):
+        """Where the lap (the u64's high half at packets.SEQ_OFF) of each packet lies in pool.mem: (4, n), -1 when
+        the packet is shorter. Segments are followed: with small buffers (--buf-size 192: 52 data bytes a buffer
+        after the headroom) the field straddles the first two."""
+        at = np.full((4, len(idx)), -1, np.int64)
+        for k in range(4):
+            b, pos = idx.astype(np.int64), np.full(len(idx), packets.SEQ_OFF + 4 + k, np.int64)
+            live = np.arange(len(idx))
+            while len(live):
+                ln = pool.data_len[b[live]].astype(np.int64)
+                here = pos[live] < ln
+                h = live[here]
+                at[k, h] = b[h] * pool.buf_size + pool.data_off[b[h]] + pos[h]
+                live = live[~here]
+                pos[live] -= ln[~here]
+                b[live] = pool.next[b[live]]
+                live = live[b[live] != NONE]
+        return at
+
+    def _tracked(self, seq, at):
+        # the lap is written in place: where the whole field is in the frame
+        return (seq < len(self.laps)) & (at >= 0).all(axis=0)
 
     def dedupe(self, pool, idx, lens, seqs, n, advance=True, restart=None):
         """Frames idx[:n] (with lens, and seqs as vn_check extracted them): free and count the copies,
@@ -39,7 +60,7 @@ class Ledger:
         lap = (s >> 32).astype(np.uint32)
         ix = idx[:n]
         self.last_seen[seq[seq < len(self.laps)]] = time.monotonic()
-        tracked = self._tracked(pool, ix, seq)
+        tracked = self._tracked(seq, self._lap_bytes(pool, ix))
         keep = ~tracked | (lap == self.laps[np.where(tracked, seq, 0)])
         first = np.zeros(n, bool)   # two current copies in one burst: the first one counts
         _, at = np.unique(np.where(keep & tracked, seq, -1 - np.arange(n)), return_index=True)
@@ -55,13 +76,13 @@ class Ledger:
             idx[:m], lens[:m], seqs[:m] = ix[keep], lens[:n][keep], s[keep]
             n = m
         if advance and n:
-            ix, seq = idx[:n], (seqs[:n] & SEQ_MASK).astype(np.int64)
-            tracked = self._tracked(pool, ix, seq)
-            seq, ix = seq[tracked], ix[tracked]
+            seq = (seqs[:n] & SEQ_MASK).astype(np.int64)
+            at = self._lap_bytes(pool, idx[:n])
+            tracked = self._tracked(seq, at)
+            seq, at = seq[tracked], at[:, tracked]
             self.laps[seq] += 1
-            at = ix.astype(np.int64) * pool.buf_size + pool.data_off[ix] + packets.SEQ_OFF + 4
             for k in range(4):
-                pool.mem[at + k] = (self.laps[seq] >> (8 * k)) & 0xFF
+                pool.mem[at[k]] = (self.laps[seq] >> (8 * k)) & 0xFF
         return n
 
     def count_final(self, seqs, n):
