@@ -21,16 +21,11 @@ from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F
 from rings.shm import MemoryTable, ShmRegion
 
 from ._net import ffi, lib
-from .pool import BufferPool, check_geometry
+from .pool import HEADROOM, BufferPool, check_geometry
 
 GPA_BASE = 0x100000000     # like virtio_user's --no-huge memory: gpa == uaddr, a fixed base
 PAGE = 4096
 HDR_SLOT = 16              # VN_HDR_SLOT in csrc/vnet.h
-#: Pool buffers' headroom: the Tx header's room on the fast path, where the Rx header lands. 128 + 12 starts the
-#: 12-byte header on a cache line, followed by the frame's first 52 bytes: macfwd rewrites the header (NET-06:
-#: num_buffers back to 0) and the MACs and stamp in ONE line, not two, which halves the lines that cross to the
-#: device's core and back per forwarded packet.
-HEADROOM = 128 + 12
 INDIRECT_MAX = 8           # entries of a Tx indirect table; a longer chain goes directly into the ring
 RXQ, TXQ = 0, 1            # NET-04: receiveq1 = 0, transmitq1 = 1
 

@@ -13,6 +13,13 @@ from ._net import ffi, lib
 NONE = 0xFFFFFFFF
 
 
+#: Pool buffers' headroom: the Tx header's room on the fast path, where the Rx header lands. 128 + 12 starts the
+#: 12-byte header on a cache line, followed by the frame's first 52 bytes: macfwd rewrites the header (NET-06:
+#: num_buffers back to 0) and the MACs and stamp in ONE line, not two, which halves the lines that cross to the
+#: device's core and back per forwarded packet.
+HEADROOM = 128 + 12
+
+
 def check_geometry(buf_size, headroom):
     """Buffers the pool can be made of (ConfigError otherwise)."""
     if headroom < 12 or headroom >= buf_size or buf_size % 64:
@@ -29,7 +36,7 @@ class BufferPool:
     of at least ``nbufs * buf_size`` bytes) in this process. Packet data starts ``headroom`` bytes in, which
     leaves room for the virtio-net header (Tx fast path, Rx header landing)."""
 
-    def __init__(self, view, gpa, nbufs, buf_size=2048, headroom=128):
+    def __init__(self, view, gpa, nbufs, buf_size=2048, headroom=HEADROOM):
         check_geometry(buf_size, headroom)
         self.gpa, self.nbufs, self.buf_size, self.headroom = gpa, nbufs, buf_size, headroom
         self.mem = np.frombuffer(view, np.uint8, count=nbufs * buf_size)

@@ -161,7 +161,7 @@ class NetMemory:
     RX, TX, HDR, POOL = 0x10000, 0x20000, 0x30000, 0x100000
 
     def __init__(self, fmt, size, nbufs, buf_size, indirect_max=4):
-        from virtio.pool import BufferPool
+        from virtio.pool import HEADROOM, BufferPool
         dsz, drv, dev = area_sizes(fmt, size)
         areas = []
         for prefix, base in (("rx_", self.RX), ("tx_", self.TX)):
@@ -175,7 +175,7 @@ class NetMemory:
         self.tx_layout = QueueLayout(fmt, size, self.TX, self.TX + 0x4000, self.TX + 0x8000)
         self.gpa, self.hdr_off, self.ind_off, self.indirect_max = 0, self.HDR, self.HDR + size * 16, indirect_max
         self.hdr_view = self.g.arrays["hdr"][:size * 16]
-        self.pool = BufferPool(self.g.arrays["pool"], self.POOL, nbufs, buf_size, 128)
+        self.pool = BufferPool(self.g.arrays["pool"], self.POOL, nbufs, buf_size, HEADROOM)
 
 
 class NetHarness:
@@ -206,7 +206,7 @@ class NetHarness:
     def header(self, r):
         """The device writes a virtio-net header (num_buffers) or data into a posted Rx buffer."""
         b = r.below(self.nbufs)
-        off = b * 256 + 128 - 12 if r.u8() & 1 else b * 256 + r.u8()
+        off = b * 256 + self.mem.pool.headroom - 12 if r.u8() & 1 else b * 256 + r.u8()
         self.mem.g.write("pool", off, r.bytes(r.u8() % 16))
 
     def tx_burst(self, r):
