@@ -9,7 +9,7 @@ import numpy as np
 DEFAULT_DST = "56:48:4f:53:54:00"
 DEFAULT_SRC = "02:00:00:00:00:00"
 TS_OFF = 42           # u64 CLOCK_MONOTONIC ns (when stamping) right after the UDP header: macfwd restamps it at
-                      # every forward, and here it shares the header's line (net.HEADROOM)
+                      # every forward, and here it shares the header's line (pool.HEADROOM)
 SEQ_OFF = 50          # u64 sequence number (written once, when the frame is built)
 MIN_SIZE = 60
 
