@@ -174,7 +174,9 @@ def test_net_26_macfwd_verify_reposts_rx_before_it_forwards(server, sock_path, f
     """NET-26: a 360-byte frame and its header take 6 of the 8 Rx buffers (64 bytes each, MRG_RXBUF) and, sent back,
     8 Tx descriptors (7 segments of 52 data bytes + the header). macfwd --verify (Python once per burst) received it
     and sent it back before reposting: the backend found two buffers and dropped the frame, and the run went on with
-    nothing in flight (1 frame seen, 1 missing). The C loop reposts before every send; so must this one."""
+    nothing in flight (1 frame seen, 1 missing). The C loop reposts before every send; so must this one. End to end:
+    the receive's own refill often hides the defect here; the deterministic guard is
+    test_virtio_rx.py::test_net_26_python_macfwd_reposts_rx_before_it_sends."""
     rc, out, err = driver(sock_path, fmt, "--ring-size", 8, "--buf-size", 192, "--pkt-size", 360, "--count", 1,
                           "--verify", "--seconds", 0.3, "--drain", 0)
     assert rc == 0, err

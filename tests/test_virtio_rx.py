@@ -194,3 +194,30 @@ def test_in_order_batched_used_entries_with_mergeable(fmt):  # INORDER-10: skipp
     idx, plen = nq.rx.burst(8)
     assert list(plen) == [350] and nq.pool.data(idx[0]) == frame
     nq.close()
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_net_26_python_macfwd_reposts_rx_before_it_sends(fmt):
+    """NET-26 (the driver keeps Rx buffers posted): macfwd's Python path (--verify, --pcap) must repost before it
+    sends, as vn_fwd_burst does. A 600-byte frame takes 5 of the 8 Rx buffers (128 bytes each); the receive does
+    not repost them (fewer than its threshold are free), so unless _forward does, the backend gets this frame back
+    into a ring with 3 buffers and drops it. Deterministic: what the Rx ring holds when the send happens."""
+    from virtio.app import DriverConfig, _Loop, _Stop
+    nq, dev = make(VARIANTS[fmt] | MRG, size=8, burst=32, buf_size=256)
+    try:
+        frame = bytes(range(256)) * 2 + bytes(88)
+        ch, ids, lens = deliver(nq, dev, [frame], mrg=True)
+        assert len(ids) == 5
+        dev.push_used(ids, lens)
+        dev.flush()
+        loop = _Loop(DriverConfig("", ring_size=8, buf_size=256, mode="macfwd"), nq, _Stop())
+        idx, plen = nq.rx.burst(8)
+        assert list(plen) == [600] and nq.rx.vq.num_free == 5   # received, not reposted yet
+        loop.idx[:1], loop.lens[:1] = idx, plen
+        free_at_send = []
+        burst = nq.tx.burst
+        nq.tx.burst = lambda i, l, *a: (free_at_send.append(nq.rx.vq.num_free), burst(i, l, *a))[1]
+        loop._forward(1)
+        assert free_at_send == [0] and nq.tx.counters()["packets"] == 1
+    finally:
+        nq.close()
