@@ -346,10 +346,7 @@ class _Loop:
             self.lat = ffi.new("struct vn_lat *")
             self.lat.ts_off = packets.TS_OFF
             nq.rx.c.lat = self.lat
-        if cfg.mode == "macfwd":   # it writes the frame's first line, and the header's when that is in the headroom
-            hr, hs = nq.pool.headroom, nq.rx.c.hdr_size   # (with pool.HEADROOM both are one line)
-            own_hdr = cfg.tx_hdr == "headroom" and not cfg.force_slow and (hr - hs) // 64 != hr // 64
-            nq.rx.c.own_lines = lib.VN_OWN_FRAME | (lib.VN_OWN_HDR if own_hdr else 0)
+        nq.rx.c.own_frame = cfg.mode == "macfwd"   # it writes the MACs and stamp (and the Tx header: same line)
         self.pace = None
         self.bad = 0
         self.seen = None

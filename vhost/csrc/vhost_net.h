@@ -292,7 +292,8 @@ static inline void vh_hdr_fill(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
 
 /* vh_hdr_fill into guest memory, skipped when the buffer holds that header already: a driver that reuses its
  * buffers (DPDK's mbufs) finds last round's header there and only reads it, so the line stays shared with its
- * core instead of crossing to ours and back. The bytes are the same either way. */
+ * core instead of crossing to ours and back. The bytes are the same either way. The comparison restates
+ * vh_hdr_fill's bytes as two words: through a buffer and memcmp it costs 18 instructions a packet more. */
 static inline void vh_hdr_put(uint8_t *h, uint32_t hdr_len, uint16_t nbuf)
 {
     uint64_t lo;

@@ -503,15 +503,10 @@ static inline void vn_rx_take_all(struct vn_rxq *r, uint32_t got, uint32_t *out_
     uint32_t *data_len = p->data_len, *next = p->next;
     uint32_t nbufs = p->nbufs, hs = r->hdr_size, mrg = r->mrg, nout = *nout_io;
     uint64_t bs = p->buf_size, pkts = 0, bytes = 0;
-    if (r->own_lines) {   /* the lines the caller will write (macfwd): all asked for at once, before any read */
-        int own_hdr = r->own_lines & VN_OWN_HDR;
-        for (uint32_t i = 0; i < got; i++) {
-            if (tok[i] >= nbufs)
-                continue;
-            vn_prefetchw(host + tok[i] * bs + hr);
-            if (own_hdr)
-                vn_prefetchw(host + tok[i] * bs + hr - hs);
-        }
+    if (r->own_frame) {   /* the line the caller will write (macfwd): all asked for at once, before any read */
+        for (uint32_t i = 0; i < got; i++)
+            if (tok[i] < nbufs)
+                vn_prefetchw(host + tok[i] * bs + hr);
     }
     for (uint32_t i = 0; i < got; i++) {
         uint64_t b = tok[i];

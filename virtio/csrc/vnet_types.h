@@ -37,16 +37,14 @@ struct vn_txq {
     uint64_t packets, bytes, fast, slow, full, dropped, cleanups, reclaimed_bufs, reclaimed_descs, errors, kicks;
 };
 
-#define VN_OWN_FRAME 1   /* the frame's first line (MACs, latency stamp) */
-#define VN_OWN_HDR 2     /* the header's line (the Tx header goes in the headroom) */
-
 struct vn_rxq {
     struct vq_driver *q;
     struct vn_lat *lat;     /* macfwd: measure and re-stamp every frame when set */
     struct vn_pool *pool;
     uint32_t hdr_size, mrg, post_len, refill_thresh;
     uint8_t kick, calls_on;   /* calls_on: RxQueue.wait() has enabled calls */
-    uint8_t own_lines;        /* VN_OWN_*: lines of each received buffer the caller writes (macfwd) */
+    uint8_t own_frame;        /* macfwd: the caller writes each received frame's first line (and the Tx header,
+                                 which pool.HEADROOM puts in that line) */
     uint8_t pad;
     int32_t kickfd;
     uint64_t *tok;          /* reclaim scratch, size entries */
