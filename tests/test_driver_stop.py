@@ -220,5 +220,7 @@ def test_a_backend_killed_mid_run_reports_only_the_tx_it_never_completed(tmp_pat
         procs.close()
     assert rc == 2 and "PeerGone" in err, err
     res = json.loads(out)
-    assert res["error"]["type"] == "PeerGone" and res["injected"] == 8 and res["rx"]["packets"] > 1000, res
+    # forwarded before the kill: every frame came back at least once more (a count, not a rate: on a loaded
+    # machine 0.5 s may be a few hundred laps or a few)
+    assert res["error"]["type"] == "PeerGone" and res["injected"] == 8 and res["rx"]["packets"] > 8, res
     assert res["tx_unfinished"] <= 8, res
