@@ -197,7 +197,6 @@ def test_a_backend_frozen_at_the_stop_still_gets_the_report(tmp_path):
     assert res["tx_unfinished"] == 32 and "vring_bases" not in res     # never completed, and no base came back
 
 
-
 def test_a_backend_killed_mid_run_reports_only_the_tx_it_never_completed(tmp_path):
     """A real `vring vhost` killed (SIGKILL) while the driver forwards 8 frames: the report that comes with the
     PeerGone counts as unfinished only Tx buffers the backend never completed, at most the 8 frames there are.
