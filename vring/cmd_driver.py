@@ -54,7 +54,8 @@ def register(sub):
                    "or until --count for txonly/rxonly)")
     p.add_argument("--pkt-size", type=int, default=64, help="frame size in bytes (without FCS), min 60")
     p.add_argument("--buf-size", type=int, default=2048,
-                   help="pool buffer size incl. 140 B headroom (small buffers: chained Tx, merged Rx)")
+                   help="pool buffer size incl. 140 B headroom (small buffers: chained Tx, merged Rx; at 192 a 64-byte "
+                        "frame takes 2 buffers, so the Rx ring holds half as many frames)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
     p.add_argument("--strict", action="store_true",
                    help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
