@@ -42,7 +42,7 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_MASK, Ledger
-from .net import NetQueues, check_rx_frame, check_tx_frame, frame_segments
+from .net import PUBLISH_EVERY, NetQueues, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
 
@@ -88,6 +88,7 @@ class DriverConfig:
     tx_hdr: str = "headroom"  # Tx variants (virtio.net.TX_HDR, HDR_INIT, DOORBELL), fixed per queue
     hdr_init: str = "burst"
     doorbell: str = "burst"
+    tx_publish: int = PUBLISH_EVERY   # Tx descriptors visible every N ring slots (0: once per burst)
     rx_burst: int = 0         # rate mode: at most this many frames received per step (0: burst)
     reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
     server: bool = False      # listen on socket; the backend connects (and reconnects)
@@ -199,7 +200,7 @@ def run(cfg: DriverConfig, on_ready=None):
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
                        callfds=fe.callfds, force_slow=cfg.force_slow, hdr=cfg.tx_hdr,
-                       hdr_init=cfg.hdr_init, doorbell=cfg.doorbell)
+                       hdr_init=cfg.hdr_init, doorbell=cfg.doorbell, publish_every=cfg.tx_publish)
         if cfg.ctl:
             ctl = ControlServer(cfg.ctl).register("rx", nq.rx.vq).register("tx", nq.tx.vq).start()
         sess.bring_up(nq, up_until, lambda: stop.flag)

@@ -3,7 +3,7 @@ import json
 import sys
 
 from virtio.app import DriverConfig, run
-from virtio.net import TX_HDR
+from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 
 from . import snapshot_options
 
@@ -80,6 +80,11 @@ def register(sub):
     p.add_argument("--doorbell", choices=("burst", "packet"), default="burst",
                    help="publish and (if the device asks) kick once per burst (default, like xmit_more) or after "
                         "every packet")
+    p.add_argument("--tx-publish", type=int, default=PUBLISH_EVERY, metavar="N",
+                   help=f"macfwd with the Rx ring drained (the loop waits for the device): make Tx descriptors "
+                        f"visible whenever the next ring slot is a multiple of N (default {PUBLISH_EVERY}), so that "
+                        f"the device starts on a burst while the rest is written; 0: once per burst. Kicks stay "
+                        f"once per burst (--doorbell)")
     p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
                    help="send every packet through the slow path (header descriptor or indirect)")
     p.add_argument("--spin", type=int, default=64,
@@ -107,7 +112,7 @@ def _check_args(args):
     for name, value, lo, hi in (("--count", args.count, 0, None), ("--burst", args.burst, 1, 1024),
                                 ("--rx-burst", args.rx_burst, 0, 1024), ("--pkt-size", args.pkt_size, 1, 65535 - 12),
                                 ("--spin", args.spin, 0, 1 << 31), ("--pcap-count", args.pcap_count, 0, None),
-                                ("--pin", args.pin, 0, None)):
+                                ("--pin", args.pin, 0, None), ("--tx-publish", args.tx_publish, 0, PUBLISH_EVERY_MAX)):
         if value is not None and (value < lo or hi is not None and value > hi):
             return f"{name} must be " + (f"{lo}..{hi}" if hi is not None else f">= {lo}") + f", not {value}"
     for name, value in (("--seconds", args.seconds), ("--drain", args.drain), ("--latency-warmup", args.latency_warmup),
@@ -147,7 +152,8 @@ def main(args):
         force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
         ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count, rate=args.rate,
         latency_warmup=args.latency_warmup, idle_first=args.idle_first,
-        tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, rx_burst=args.rx_burst,
+        tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, tx_publish=args.tx_publish,
+        rx_burst=args.rx_burst,
         reconnect=args.reconnect, server=args.server, inflight=args.inflight)
     error = _check_args(args) or snapshot_options.apply(args)
     if error is None and args.mode == "rate" and not args.rate > 0:

@@ -210,6 +210,7 @@ static inline int vq_drv_add1_split(struct vq_driver *q, const uint64_t *addrs, 
     vq_avail_put(&q->avail->ring[q->next_avail & (size - 1)], head);
     q->next_avail++;
     q->kick_added++;
+    q->pending++;
     return 0;
 }
 
@@ -325,6 +326,7 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
     else
         q->free_head = head;
     q->next_avail = next_avail;
+    q->pending += (uint16_t)i;
     vq_drv_added(q, (uint16_t)i);
     return i;
 }
@@ -380,17 +382,17 @@ static inline uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *ad
                      : vq_drv_add_simple_split(q, addrs, lens, writable, tokens, n);
 }
 
-/* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22). */
+/* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22); none when nothing was added since the
+ * last publish. */
 static inline void vq_drv_publish(struct vq_driver *q)
 {
-    if (q->packed) {
-        if (q->pending) {
-            VQ_RELEASE(q->pdesc[q->pending_head].flags, q->pending_flags);
-            q->pending = 0;
-        }
-    } else {
+    if (!q->pending)
+        return;
+    if (q->packed)
+        VQ_RELEASE(q->pdesc[q->pending_head].flags, q->pending_flags);
+    else
         VQ_RELEASE(q->avail->idx, q->next_avail);
-    }
+    q->pending = 0;
 }
 
 static inline int vq_drv_kick_prepare(struct vq_driver *q)

@@ -69,7 +69,8 @@ struct vq_driver {
     uint16_t oldest;                /* split in-order: head of the oldest buffer in flight */
     uint16_t inflight;              /* buffers */
     uint16_t kick_added;
-    uint16_t pending;               /* packed: buffers added since the last publish */
+    uint16_t pending;               /* buffers added since the last publish */
+    /* packed: the first flags of those, kept aside (PACKED-D-12) */
     uint16_t pending_head, pending_flags;
 
     uint16_t *free_next;            /* free list (split: descriptors, packed: ids) */

@@ -208,13 +208,17 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
     const uint32_t *next = p->next;
     uint8_t *host = p->host;
     uint64_t gpa = p->gpa, bs = p->buf_size, bytes = 0;
-    uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0;
+    uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0, every = t->every_now;
     uint8_t tmpl[12];
     uint64_t a[VN_RUN], tok[VN_RUN];
     uint32_t l[VN_RUN];
     __builtin_memcpy(tmpl, t->hdr_tmpl, sizeof tmpl);
     while (done < n) {
         uint32_t k = 0, m = n - done < VN_RUN ? n - done : VN_RUN;
+        if (every) {   /* up to the next multiple of `every` slots: the pieces line up with the ring's lines */
+            uint32_t edge = every - t->q->next_avail % every;
+            m = m < edge ? m : edge;
+        }
         for (; k < m; k++) {
             uint32_t b = idx[done + k];
             if (b >= nbufs || !owned[b] || next[b] != VN_NONE || data_off[b] < hs)
@@ -229,6 +233,12 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
         for (uint32_t j = 0; j < added; j++)
             bytes += len[done + j];
         done += added;
+        /* the device may start on these while the rest is written: with one burst in flight the loop waits for
+         * the device, which then works beside the driver instead of after it */
+        if (every && added) {
+            vq_drv_publish(t->q);
+            t->publishes++;
+        }
         if (added < m)
             break;
     }
@@ -281,8 +291,10 @@ static inline int vn_tx_one(struct vn_txq *t, uint32_t b, uint32_t l)
 /* Publish what was queued; one kick at most, only when the device asks and the caller has no `more`. */
 static inline void vn_tx_publish(struct vn_txq *t, uint32_t queued, int more)
 {
-    if (queued)
+    if (t->q->pending) {   /* what the fast path has not published yet */
         vq_drv_publish(t->q);
+        t->publishes++;
+    }
     t->pending_kick |= queued != 0;
     if (!more && t->pending_kick) {
         t->pending_kick = 0;
@@ -793,7 +805,11 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
          * the driver can see (posted Rx buffers, Tx not reclaimed) does not say how many the backend can still
          * fill (used Rx entries not yet received, packets staged after their Tx completion was reclaimed) */
         vn_rx_refill(r, 1);
+        /* nothing more received yet: the device is waiting for this burst, let it start on the first packets;
+         * with a backlog, whole bursts (a split device would see them in pieces, every piece a poll) */
+        t->every_now = vn_rx_pending(r) ? 0 : t->publish_every;
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
+        t->every_now = 0;
         /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
          * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
         for (uint32_t tries = 0; sent < (uint32_t)n && tries < VN_TX_RETRIES && !t->q->error; tries++) {

@@ -28,13 +28,17 @@ struct vn_txq {
     uint8_t force_slow, kick, pending_kick, pad;   /* kick: this burst notified the device */
     /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
      * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
-    uint8_t hdr_per_packet, doorbell_per_packet, pad2[2];
+    uint8_t hdr_per_packet, doorbell_per_packet;
+    /* macfwd with its Rx ring drained (the loop waits for the device): the fast path publishes whenever the next
+     * slot is a multiple of publish_every (0: once per burst); every_now is what the current burst uses */
+    uint16_t publish_every, every_now, pad3;
     int32_t kickfd;         /* eventfd, or -1 (count only) */
     uint64_t *tok;          /* reclaim scratch, size entries */
     uint32_t *lens;
     uint64_t *seg_addr;     /* slow-path scratch, max_segs entries */
     uint32_t *seg_len;
     uint64_t packets, bytes, fast, slow, full, dropped, cleanups, reclaimed_bufs, reclaimed_descs, errors, kicks;
+    uint64_t publishes;     /* release stores that made descriptors visible */
 };
 
 struct vn_rxq {
