@@ -1,10 +1,11 @@
 """When macfwd makes its Tx descriptors visible (virtio/csrc/vnet.h vn_fwd_burst, ``--tx-publish N``).
 
-With its Rx ring drained after a receive, the loop is waiting for the device: the driver then publishes its Tx burst
-in pieces, whenever the next ring slot is a multiple of N, so that the device starts on the first packets while the
-rest is written. With more already received (a backlog) it publishes the burst once: a device that is busy would
-otherwise see it in pieces, one poll each. Either way every piece is whole before its one release store (MEM-02,
-PACKED-D-22: the ring layer's publish), nothing is published twice, and the device finds every packet in order.
+When everything it sent has come back and its Rx ring is drained, the loop is waiting for the device: the driver
+then publishes its Tx burst in pieces, whenever the next ring slot is a multiple of N, so that the device starts on
+the first packets while the rest is written. Otherwise (a backlog in Rx, packets still out) it publishes the burst
+once: a device that is busy would see it in pieces, one poll each. Either way every piece is whole before its one
+release store (MEM-02, PACKED-D-22: the ring layer's publish), nothing is published twice, and the device finds
+every packet in order.
 """
 import numpy as np
 import pytest
@@ -36,9 +37,10 @@ def pieces(start, n, every):
     return k
 
 
-def run(packed, in_order, every, inject, take):
+def run(packed, in_order, every, inject, take, kept=0):
     """Inject `inject` frames, let our backend move them all into the Rx ring, then one macfwd step of at most
-    `take`. Returns (publications of that step, Tx slot it started at, frames the backend then forwards)."""
+    `take` (`kept`: that many more counted as sent, as if the device had kept them). Returns (publications of
+    that step, Tx slot it started at, frames the backend then forwards)."""
     lp = Loop(features(packed, in_order), size=64, burst=32, txq_flush="none")
     nq = lp.nq
     try:
@@ -51,6 +53,7 @@ def run(packed, in_order, every, inject, take):
             nq.pool.write(b, tmpl[:50] + bytes([k]) + tmpl[51:])
         assert nq.tx.burst(idx[:inject], lens[:inject]) == inject
         assert vh.lib.vh_run(lp.dp.n, 1, 1 << 40) == 0
+        nq.tx.c.packets += kept
         start = nq.tx.vq.c.next_avail % 64
         before = nq.tx.c.publishes
         p_idx = vn.ffi.cast("uint32_t *", vn.ffi.from_buffer(idx))
@@ -87,6 +90,14 @@ def test_mem_02_tx_published_once_per_burst_with_a_backlog(packed, every):
     published, start, order = run(packed, False, every, inject=20, take=10)
     assert published == 1
     assert order == list(range(10, 20)) + list(range(10))   # the ten left in Rx, then the ten forwarded
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_mem_02_tx_published_once_per_burst_while_sent_exceeds_received(packed):
+    """Rx drained, but one packet sent never came back (a device that dropped or keeps it): the driver cannot
+    tell that the device is idle, the burst goes out whole."""
+    published, start, order = run(packed, False, 4, inject=10, take=10, kept=1)
+    assert published == 1 and order == list(range(10))
 
 
 def test_tx_publish_choice_is_checked():

@@ -81,7 +81,7 @@ def register(sub):
                    help="publish and (if the device asks) kick once per burst (default, like xmit_more) or after "
                         "every packet")
     p.add_argument("--tx-publish", type=int, default=PUBLISH_EVERY, metavar="N",
-                   help=f"macfwd with the Rx ring drained (the loop waits for the device): make Tx descriptors "
+                   help=f"macfwd with all sent frames back and Rx drained (the device is idle): make Tx descriptors "
                         f"visible whenever the next ring slot is a multiple of N (default {PUBLISH_EVERY}), so that "
                         f"the device starts on a burst while the rest is written; 0: once per burst. Kicks stay "
                         f"once per burst (--doorbell)")

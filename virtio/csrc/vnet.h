@@ -805,9 +805,11 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
          * the driver can see (posted Rx buffers, Tx not reclaimed) does not say how many the backend can still
          * fill (used Rx entries not yet received, packets staged after their Tx completion was reclaimed) */
         vn_rx_refill(r, 1);
-        /* nothing more received yet: the device is waiting for this burst, let it start on the first packets;
-         * with a backlog, whole bursts (a split device would see them in pieces, every piece a poll) */
-        t->every_now = vn_rx_pending(r) ? 0 : t->publish_every;
+        /* everything sent has come back and nothing more is waiting in Rx: the device is idle until this burst
+         * arrives, let it start on the first packets. Otherwise whole bursts: a busy device would see them in
+         * pieces, every piece a poll of its own (split, 256 in flight: -13%). A device that drops or keeps
+         * packets leaves sent > received for good: whole bursts, as before */
+        t->every_now = t->packets <= r->packets && !vn_rx_pending(r) ? t->publish_every : 0;
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
         t->every_now = 0;
         /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them

@@ -29,8 +29,8 @@ struct vn_txq {
     /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
      * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
     uint8_t hdr_per_packet, doorbell_per_packet;
-    /* macfwd with its Rx ring drained (the loop waits for the device): the fast path publishes whenever the next
-     * slot is a multiple of publish_every (0: once per burst); every_now is what the current burst uses */
+    /* macfwd with everything sent back and Rx drained (the device is idle): the fast path publishes whenever the
+     * next slot is a multiple of publish_every (0: once per burst); every_now is what the current burst uses */
     uint16_t publish_every, every_now, pad3;
     int32_t kickfd;         /* eventfd, or -1 (count only) */
     uint64_t *tok;          /* reclaim scratch, size entries */
