@@ -26,35 +26,58 @@ def features(packed, in_order):
     return f | (bit(VIRTIO_F_RING_PACKED) if packed else 0) | (bit(VIRTIO_F_IN_ORDER) if in_order else 0)
 
 
-def pieces(start, n, every):
-    """The publications of n descriptors from ring slot `start`: one per run up to the next multiple of `every`."""
+def pieces(start, n, every, size=None):
+    """The publications of n descriptors from ring position `start`: one per run up to the next multiple of
+    `every` (`size`: a packed ring, whose slots wrap there, mid-run)."""
     if not every:
         return 1
     k, pos = 0, start
-    while pos < start + n:
-        pos = (pos // every + 1) * every
+    while n:
+        step = min(n, every - pos % every)
+        pos = (pos + step) % size if size else pos + step
+        n -= step
         k += 1
     return k
 
 
-def run(packed, in_order, every, inject, take, kept=0):
+def frame(k, size=64):
+    """A frame numbered k (its byte 50)."""
+    tmpl = bytes(packets.template(size))
+    return tmpl[:50] + bytes([k]) + tmpl[51:]
+
+
+def run(packed, in_order, every, inject, take, kept=0, size=64, skip=0, long=()):
     """Inject `inject` frames, let our backend move them all into the Rx ring, then one macfwd step of at most
-    `take` (`kept`: that many more counted as sent, as if the device had kept them). Returns (publications of
-    that step, Tx slot it started at, frames the backend then forwards)."""
-    lp = Loop(features(packed, in_order), size=64, burst=32, txq_flush="none")
+    `take` (`kept`: that many more counted as sent, as if the device had kept them; negative: frames the device
+    delivered of its own). `skip` frames go round first (the rings' positions move on); the frames numbered in
+    `long` are 150 bytes, received in two mergeable buffers and sent back by the slow path. Returns
+    (publications of that step, Tx position it started at, frames the backend then forwards)."""
+    lp = Loop(features(packed, in_order), size=size, burst=32, txq_flush="none", rx_room=100 if long else None)
     nq = lp.nq
     try:
         nq.tx.c.publish_every = every
-        tmpl = bytes(packets.template(64))
         idx = np.zeros(64, np.uint32)
-        lens = np.full(64, len(tmpl), np.uint32)
+        lens = np.zeros(64, np.uint32)
+        while skip:
+            k = min(skip, size, 32)
+            b = nq.pool.alloc(k)
+            for j in b:
+                nq.pool.write(j, frame(0))
+            assert nq.tx.burst(b, np.full(k, 64, np.uint32)) == k
+            assert vh.lib.vh_run(lp.dp.n, 1, 1 << 40) == 0
+            got, _ = nq.rx.burst(k)
+            assert len(got) == k
+            nq.pool.free(got)
+            nq.rx.fill()   # the ring full again (a burst refills only past a threshold)
+            skip -= k
         idx[:inject] = nq.pool.alloc(inject)
         for k, b in enumerate(idx[:inject]):
-            nq.pool.write(b, tmpl[:50] + bytes([k]) + tmpl[51:])
+            nq.pool.write(b, frame(k, 150 if k in long else 64))
+            lens[k] = 150 if k in long else 64
         assert nq.tx.burst(idx[:inject], lens[:inject]) == inject
         assert vh.lib.vh_run(lp.dp.n, 1, 1 << 40) == 0
         nq.tx.c.packets += kept
-        start = nq.tx.vq.c.next_avail % 64
+        start = nq.tx.vq.c.next_avail
         before = nq.tx.c.publishes
         p_idx = vn.ffi.cast("uint32_t *", vn.ffi.from_buffer(idx))
         p_lens = vn.ffi.cast("uint32_t *", vn.ffi.from_buffer(lens))
@@ -98,6 +121,43 @@ def test_mem_02_tx_published_once_per_burst_while_sent_exceeds_received(packed):
     tell that the device is idle, the burst goes out whole."""
     published, start, order = run(packed, False, 4, inject=10, take=10, kept=1)
     assert published == 1 and order == list(range(10))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_mem_02_tx_published_once_per_burst_with_a_backlog_of_the_devices_own_frames(packed):
+    """20 frames in the Rx ring, 10 taken, ten of the twenty the device's own (a peer that also sends): what was
+    received has caught up with what was sent, only the Rx ring shows the device busy; the burst goes out whole."""
+    published, start, order = run(packed, False, 4, inject=20, take=10, kept=-10)
+    assert published == 1
+    assert order == list(range(10, 20)) + list(range(10))
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+@pytest.mark.parametrize("in_order", [False, True], ids=["normal", "in_order"])
+@pytest.mark.parametrize("slow", [4, 9])
+def test_mem_02_packed_d_22_tx_pieces_around_a_slow_path_packet(packed, in_order, slow):
+    """Frame `slow` comes back in two mergeable buffers and goes out by the slow path (one indirect descriptor):
+    the fast path publishes the part of its piece it added before it; the slow packet's descriptor goes with the
+    next piece, or at the end of the burst when it is the last packet. Nothing stays unpublished."""
+    published, start, order = run(packed, in_order, 4, inject=10, take=10, long=(slow,))
+    assert start == 10
+    # 9: [10,12) [12,16) [16,19), the slow one at 19 at the end; 4: [10,12) [12,14), the slow one at 14 with [15],
+    # then [16,20)
+    assert published == 4
+    assert order == list(range(10))
+
+
+@pytest.mark.parametrize("in_order", [False, True], ids=["normal", "in_order"])
+@pytest.mark.parametrize("size,skip,inject,every", [(100, 70, 20, 16), (100, 66, 30, 16), (5, 2, 5, 4), (3, 1, 3, 1),
+                                                    (13, 10, 13, 3)])
+def test_packed_d_12_packed_d_22_tx_pieces_across_the_wrap_of_an_odd_packed_ring(in_order, size, skip, inject, every):
+    """Packed queue sizes need not be powers of two, nor multiples of the piece size: a piece runs on across the
+    wrap (its first head's flags kept aside until the piece is whole: PACKED-D-12), and the device finds every
+    frame once, in order."""
+    published, start, order = run(True, in_order, every, inject=inject, take=inject, size=size, skip=skip)
+    assert start == (skip + inject) % size
+    assert published == pieces(start, inject, every, size)
+    assert order == list(range(inject))
 
 
 def test_tx_publish_choice_is_checked():

@@ -236,6 +236,23 @@ def test_packed_d_04_packed_d_05_no_store_to_device_owned_descriptors(rec, in_or
     assert published > 3 * size
 
 
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_packed_d_04_packed_d_05_publish_with_nothing_added_stores_nothing(rec, fmt):
+    """PACKED-D-04 / PACKED-D-05: a publish with nothing added since the last one stores nothing. The batch's
+    first head flags written again would land in a slot the device has since used: that buffer available a
+    second time, its completion hidden. Split: avail.idx is not stored again (the same count, kept for both)."""
+    r = Ring(rec.mod, fmt, 8)
+    r.add([(1, 0), (1, 0)])
+    r.drv.publish()
+    ch = r.dev.poll()
+    r.dev.push_used(ch.id, [0] * ch.n)
+    r.dev.flush()
+    with rec.capture(r.mem) as log:
+        r.drv.publish()
+    assert [a for a in log if a.store] == []
+    assert len(r.drv.reclaim()[0]) == 2 and r.dev.poll().n == 0
+
+
 def test_evt_25_mem_05_packed_publish_then_fence_then_event_read(rec):
     """EVT-25 / MEM-05: the packed driver's publishing flags store comes before its read of the Device Event
     Suppression structure, with a full fence between; a device that flips DISABLE -> ENABLE between the two
