@@ -162,6 +162,11 @@ def test_packed_d_12_packed_d_22_tx_pieces_across_the_wrap_of_an_odd_packed_ring
 
 def test_tx_publish_choice_is_checked():
     f = features(False, False)
-    for bad in (-1, PUBLISH_EVERY_MAX + 1, 2.5, "4"):
+    for bad in (-1, PUBLISH_EVERY_MAX + 1, 2.5, "4", True):
         with pytest.raises(ConfigError, match="publish_every"):
             NetQueues(f, size=64, nbufs=256, publish_every=bad)
+    nq = NetQueues(f, size=64, nbufs=256, publish_every=np.uint16(8))   # any integer type
+    try:
+        assert nq.tx.publish_every == 8 and nq.tx.counters()["publish_every"] == 8
+    finally:
+        nq.close()

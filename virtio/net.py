@@ -7,6 +7,7 @@ negotiated header size and mergeable mode in the queue structs, so no per-packet
 Layout of the one shared-memory region (guest address = ``GPA_BASE`` + offset; gpa == uaddr as virtio_user):
 Rx ring, Tx ring, Tx header area (one 16-byte slot per buffer id), Tx indirect tables, then the buffer pool.
 """
+import numbers
 import os
 import select
 import time
@@ -185,7 +186,8 @@ class TxQueue:
         _choice("Tx header placement", hdr, TX_HDR)
         _choice("header init", hdr_init, HDR_INIT)
         _choice("doorbell", doorbell, DOORBELL)
-        if not (isinstance(publish_every, int) and 0 <= publish_every <= PUBLISH_EVERY_MAX):
+        if isinstance(publish_every, bool) or not isinstance(publish_every, numbers.Integral) \
+                or not 0 <= publish_every <= PUBLISH_EVERY_MAX:
             raise ConfigError(f"publish_every must be 0..{PUBLISH_EVERY_MAX}, not {publish_every!r}")
         if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
             raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
@@ -217,7 +219,7 @@ class TxQueue:
         t.force_slow = int(bool(force_slow))
         t.hdr_per_packet = hdr_init == "packet"
         t.doorbell_per_packet = doorbell == "packet"
-        t.publish_every = publish_every
+        t.publish_every = publish_every = int(publish_every)
         self.hdr, self.hdr_init, self.doorbell, self.publish_every = hdr, hdr_init, doorbell, publish_every
         t.kickfd = -1 if kickfd is None else kickfd
         t.tok, t.lens = _p("uint64_t *", self._tok), _p("uint32_t *", self._lens)
