@@ -375,7 +375,7 @@ MUTANTS += [
              "    vq_shadow_store(&v, q);\n    VQ_SET(ring[first].flags, first_flags);\n}"))),
     Mutant("packed_d_04_publish_with_nothing_added", ("PACKED-D-04", "PACKED-D-05"),
            "a publish with nothing added since the last one stores the batch's first head flags again",
-           ((H, "    if (!q->pending)\n        return;\n", ""),)),
+           ((H, "    if (!q->pending)\n        return 0;\n", ""),)),
     Mutant("packed_d_22_publish_relaxed", ("PACKED-D-22", "MEM-04"),
            "the driver publishes a packed batch's head flags with a relaxed store",
            ((H, "VQ_RELEASE(q->pdesc[q->pending_head].flags, q->pending_flags);",

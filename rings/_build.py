@@ -39,7 +39,7 @@ uint32_t vq_drv_add(struct vq_driver *q, const uint64_t *addrs, const uint32_t *
                     const uint16_t *nread, const uint16_t *nwrite, const uint64_t *tokens, uint32_t n);
 uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens, int writable,
                            const uint64_t *tokens, uint32_t n);
-void vq_drv_publish(struct vq_driver *q);
+int vq_drv_publish(struct vq_driver *q);
 int vq_drv_kick_prepare(struct vq_driver *q);
 int vq_drv_reclaim(struct vq_driver *q, uint64_t *tokens, uint32_t *lens, uint32_t max);
 void vq_drv_enable_calls(struct vq_driver *q, int on);

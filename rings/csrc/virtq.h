@@ -383,16 +383,17 @@ static inline uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *ad
 }
 
 /* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22); none when nothing was added since the
- * last publish. */
-static inline void vq_drv_publish(struct vq_driver *q)
+ * last publish. Returns the stores made (0 or 1). */
+static inline int vq_drv_publish(struct vq_driver *q)
 {
     if (!q->pending)
-        return;
+        return 0;
     if (q->packed)
         VQ_RELEASE(q->pdesc[q->pending_head].flags, q->pending_flags);
     else
         VQ_RELEASE(q->avail->idx, q->next_avail);
     q->pending = 0;
+    return 1;
 }
 
 static inline int vq_drv_kick_prepare(struct vq_driver *q)

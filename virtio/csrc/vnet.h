@@ -235,10 +235,8 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
         done += added;
         /* the device may start on these while the rest is written: with one burst in flight the loop waits for
          * the device, which then works beside the driver instead of after it */
-        if (every && added) {
-            vq_drv_publish(t->q);
-            t->publishes++;
-        }
+        if (every && added)
+            t->publishes += vq_drv_publish(t->q);
         if (added < m)
             break;
     }
@@ -291,10 +289,7 @@ static inline int vn_tx_one(struct vn_txq *t, uint32_t b, uint32_t l)
 /* Publish what was queued; one kick at most, only when the device asks and the caller has no `more`. */
 static inline void vn_tx_publish(struct vn_txq *t, uint32_t queued, int more)
 {
-    if (t->q->pending) {   /* what the fast path has not published yet */
-        vq_drv_publish(t->q);
-        t->publishes++;
-    }
+    t->publishes += vq_drv_publish(t->q);   /* what the fast path has not published yet, if anything */
     t->pending_kick |= queued != 0;
     if (!more && t->pending_kick) {
         t->pending_kick = 0;
