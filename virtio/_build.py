@@ -37,7 +37,7 @@ int64_t vn_pace_loop(struct vn_rxq *r, struct vn_txq *t, struct vn_pace *pc, uin
                      uint32_t *rx_idx, uint32_t *rx_len, const uint8_t *tmpl, uint32_t plen, uint32_t seq_off,
                      uint32_t ts_off, uint32_t max, uint32_t rx_max, uint32_t spin, uint32_t steps);
 int vq_drv_kick_prepare(struct vq_driver *q);
-void vq_drv_publish(struct vq_driver *q);
+int vq_drv_publish(struct vq_driver *q);
 """
 
 
