@@ -20,7 +20,9 @@ from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "rings", "csrc")
-SOURCES = [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "virtq_record.h")] + [__file__]
+# what is compiled into the build: the headers, and the cdef (rings/_build.py's CDEF, then this file's)
+SOURCES = [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "virtq_record.h")] + [
+    os.path.join(ROOT, "rings", "_build.py"), __file__]
 MODULE = "rings._virtq_rec"
 
 STORES = "SWR"   # plain, relaxed, release
