@@ -41,6 +41,11 @@ _ELEM = struct.Struct("<II")
 MAX_FRAME = 65536 + 64
 
 
+#: the buffers a packed observer follows from the driver's side in one look: a look stays short, so the device's
+#: side is read before the driver laps it
+LISTS_PER_LOOK = 64
+
+
 #: the counters of every observer (and of the totals, also when no queue was ever captured)
 STAT_KEYS = ("frames", "lapped", "lost", "unreadable", "not_seen_published")
 
@@ -115,6 +120,7 @@ class _Ring:
 class SplitObserver(_Ring):
     def __init__(self, *args):
         super().__init__(*args)
+        self._avail_ring = struct.Struct(f"<{self.n}H")  # one read of the whole avail ring
         self.resync()
 
     def resync(self):
@@ -124,6 +130,26 @@ class SplitObserver(_Ring):
         self.recs = defaultdict(deque)   # head -> segment lists, oldest first (a head can come back)
         self.fifo = deque()              # IN_ORDER: (head, segments) in avail order
         self.pending = None
+
+    def _record(self, k):
+        """The k buffers published from last_avail on, their chains read now, while they are in flight."""
+        if not k:
+            return
+        start = self.last_avail % self.n
+        ring = self._avail_ring.unpack_from(self.avail, 4)
+        for head in (ring[start:] + ring[:start])[:k]:
+            segs = self._chain(head)
+            if self.in_order:
+                self.fifo.append((head, segs))
+            else:
+                self.recs[head].append(segs)
+        self.last_avail = (self.last_avail + k) & 0xFFFF
+
+    def _chain(self, head):
+        try:
+            return self.chain(head)
+        except VringError:
+            return None
 
     def chain(self, head):
         """The segments of the chain at head (following next, and an indirect table)."""
@@ -147,35 +173,34 @@ class SplitObserver(_Ring):
 
     def poll(self, out):
         n = self.n
+        # used.idx before avail.idx: the device uses only what was published, so every used entry up to this
+        # used.idx is for a buffer the avail read below records (the other order takes the buffers published
+        # and used between the two reads for buffers never seen published)
+        used_idx = self.u16(self.used, 2)
         avail_idx = self.u16(self.avail, 2)
         k = (avail_idx - self.last_avail) & 0xFFFF
         if k > n:  # the driver published more than a ring's worth since the last look
-            self.resync()
             self.stats["lost"] += 1
-            return 0
-        for j in range(k):
-            pos = (self.last_avail + j) & 0xFFFF
-            head = self.u16(self.avail, 4 + 2 * (pos % n))
-            try:
-                segs = self.chain(head)
-            except VringError:
-                segs = None
-            if self.in_order:
-                self.fifo.append((head, segs))
-            else:
-                self.recs[head].append(segs)
-        self.last_avail = avail_idx
-        used_idx = self.u16(self.used, 2)
+            self.resync()
+            return 1  # not idle: look again at once
+        self._record(k)
         m = (used_idx - self.last_used) & 0xFFFF
         if m == 0:
-            return 0
+            return k  # idle (the capture thread sleeps) only when neither index moved
         if m > n:
             self.stats["lapped"] += m - n
             self.resync()
-            return 0
+            return 1
         when = time.time_ns()
-        pos, left = self.last_used, m
+        pos, left, look = self.last_used, m, 32
         while left:
+            look -= 1
+            if not look:  # a long look: has the device gone round onto the entries still to read?
+                look = 32
+                if (self.u16(self.used, 2) - pos) & 0xFFFF >= n:
+                    self.stats["lapped"] += left
+                    self.resync()
+                    return m
             id, length = _ELEM.unpack_from(self.used, 4 + 8 * (pos % n))
             if self.in_order:  # one entry for a batch: the buffers up to the one whose head is id (INORDER-06)
                 batch = []
@@ -187,7 +212,7 @@ class SplitObserver(_Ring):
                     self.stats["lost"] += left
                     self.resync()
                     return m
-                for k, (head, segs) in enumerate(batch):
+                for k, (_, segs) in enumerate(batch):
                     last = k == len(batch) - 1
                     self._one(segs, length if last else sum(s[1] for s in segs or () if s[2]), when, out)
                 pos, left = (pos + len(batch)) & 0xFFFF, left - len(batch)
@@ -211,6 +236,7 @@ class SplitObserver(_Ring):
 class PackedObserver(_Ring):
     def __init__(self, *args):
         super().__init__(*args)
+        self._all_flags = struct.Struct("<" + "14xH" * self.n)  # one read of every descriptor's flags
         self.resync()
 
     def flags(self, slot):
@@ -219,8 +245,7 @@ class PackedObserver(_Ring):
     def resync(self):
         """Start from the driver's published position (read from the AVAIL bits): buffers in flight now are
         not followed; the device's used position meets this one once they are done."""
-        flags = [self.flags(i) for i in range(self.n)]
-        found = infer_published_packed(flags)
+        found = infer_published_packed(self._all_flags.unpack_from(self.desc, 0))
         self.avail_at = self.used_at = found[:2] if isinstance(found, tuple) else None
         self.recs = defaultdict(deque)   # id -> (ndesc, segments)
         self.fifo = deque()              # IN_ORDER: (id, ndesc, segments)
@@ -266,8 +291,8 @@ class PackedObserver(_Ring):
             self.resync()
             if self.avail_at is None:
                 return 0
-        done = 0
-        while self._avail(self.avail_at):
+        added = 0
+        while added < LISTS_PER_LOOK and self._avail(self.avail_at):  # short: the used side is read in time
             found = self._list()
             if found is None:
                 break
@@ -278,11 +303,10 @@ class PackedObserver(_Ring):
                 self.recs[id].append((ndesc, segs))
             self.avail_at = self._step(self.avail_at, ndesc)
             self.outstanding += ndesc
+            added += 1
             if self.outstanding > self.n:  # the device's used position never came to ours
                 return self._lost(1)
-        if self._used(self.avail_at):
-            return self._lost(1)  # the device used slots the tap never saw made available
-        when = None
+        when, done = None, 0
         while self.used_at != self.avail_at and self._used(self.used_at):
             when = when or time.time_ns()
             _, length, id, _ = _DESC.unpack_from(self.desc, 16 * self.used_at[0])
@@ -309,12 +333,14 @@ class PackedObserver(_Ring):
             self.used_at = self._step(self.used_at, sum(b[1] for b in batch))
             self.outstanding -= sum(b[1] for b in batch)
             done += len(batch)
-        return done
+        if self.used_at == self.avail_at and self._used(self.avail_at):
+            return self._lost(1)  # the device used slots the tap never saw made available
+        return done + added  # idle (the capture thread sleeps) only when nothing moved
 
     def _lost(self, k):
         self.stats["lost"] += k
         self.resync()
-        return 0
+        return 1  # not idle: look again at once
 
 
 class Capture:

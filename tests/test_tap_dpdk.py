@@ -10,6 +10,7 @@ frames. Then the reversed roles: virtio_user as the server, net_vhost as the cli
 The tap's cost in packets per second is measured by benchmarks/tap_cost.py, not here.
 """
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -78,15 +79,21 @@ def check_handshake(records, packed):
 
 
 def check_capture(tap, count):
-    st = tap.err
-    assert f"pcap {tap.pcap}: {count} frames" in st, st
+    """The tap is a bystander (tap/capture.py): beside two testpmds polling flat out on this machine's cores it
+    sees the rings in the moments it gets a core, and counts what it could not capture. So: some frames, at
+    most the limit, either the limit or a count of what was missed; tshark reads exactly those, all testpmd's."""
+    m = re.search(rf"pcap {re.escape(tap.pcap)}: (\d+) frames \(limit {count}, \d+ more seen and left out\); "
+                  r"not captured: lapped (\d+), lost (\d+), unreadable (\d+), not seen published (\d+)", tap.err)
+    assert m, tap.err
+    captured, *missed = map(int, m.groups())
+    assert 1 <= captured <= count and (captured == count or sum(missed) > 0), tap.err
     if not TSHARK:
         return
     out = subprocess.run([TSHARK, "-r", tap.pcap, "-T", "fields", "-e", "eth.type", "-e", "udp.length"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     rows = [line.split("\t") for line in out.stdout.splitlines()]
-    assert len(rows) == count, "tshark did not read the expected number of frames"
+    assert len(rows) == captured, "tshark did not read the frames the tap says it wrote"
     assert all(r[0] == "0x0800" for r in rows), "not all Ethernet/IPv4 frames"  # testpmd's 64-byte UDP
 
 
