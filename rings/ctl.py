@@ -58,14 +58,16 @@ class ControlServer:
             return sorted(self._queues)
 
     def _queue(self, name):
+        """The queue registered as ``name``: KeyError if none is, _NoRing if it has no ring now."""
         with self._lock:
             q = self._queues.get(name)
+            known = name in self._queues
         if q is not None and callable(q) and not hasattr(q, "state"):
             q = q()
         if q is not None and not hasattr(q, "state") and hasattr(q, "vq"):
             q = q.vq  # a wrapper holding its ring queue (virtio's TxQueue / RxQueue)
         if q is None:
-            raise KeyError(name)
+            raise (_NoRing if known else KeyError)(name)
         return q
 
     def start(self):
@@ -141,7 +143,7 @@ class ControlServer:
                     try:
                         q = self._queue(name)
                         out.append({"name": name, "format": q.layout.fmt, "side": q.side, "size": q.layout.size})
-                    except KeyError:
+                    except LookupError:  # not registered, or no ring now
                         pass
                 return {"ok": True, "queues": out}
             if cmd in ("snapshot", "raw"):
@@ -150,6 +152,9 @@ class ControlServer:
                     return {"ok": False, "error": f"{cmd}: a queue name is needed"}
                 try:
                     q = self._queue(name)
+                except _NoRing:
+                    return {"ok": False, "error": f"queue {name!r} has no ring now (no peer connected, or its vring "
+                                                  f"not started)"}
                 except KeyError:
                     return {"ok": False, "error": f"no queue named {name!r} (have: {', '.join(self.names())})"}
                 raw = rawdump.capture(q, meta={"name": name, "pid": os.getpid()})
@@ -162,6 +167,10 @@ class ControlServer:
             return {"ok": False, "error": f"unknown command {cmd!r} (list, snapshot NAME, raw NAME)"}
         except Exception as e:  # noqa: BLE001 - a debugging aid answers every request, whatever a queue does
             return {"ok": False, "error": f"{type(e).__name__}: {e}"}
+
+
+class _NoRing(LookupError):
+    """A registered queue with no ring at the moment (a backend before a frontend has started the vring)."""
 
 
 def _parse(line):

@@ -199,6 +199,7 @@ def _processes_mentioning(text):
     (["--cpus", "0"], "--cpus"),
     (["--cpus", "0,4096"], "not one this process may use"),
     (["--pairs", "ours/dpdk", "--pkt-size", "4000"], "mbufs"),
+    (["--pkt-size", "64,4000"], "our driver, --pkt-size 4000: 256 frames injected, but the Rx ring holds 85"),
     (["--no-mrg-rxbuf", "--pkt-size", "1500,3000"], "our driver, --pkt-size 3000: a 3000-byte frame and its 12-byte "
                                                     "header do not fit one 1920-byte Rx buffer"),
     (["--driver", "qemu"], "invalid choice"),

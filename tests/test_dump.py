@@ -477,7 +477,8 @@ def test_control_socket_round_trip(impl, make_q, sock_path):
             assert rawdump.loads(base64.b64decode(r["raw"])).snapshot() == q.drv.snapshot()
             assert c.request("snapshot", name="nope") == {
                 "ok": False, "error": "no queue named 'nope' (have: dev0, rx0, tx0, wrapped)"}
-            assert not c.request("snapshot", name="rx0")["ok"]  # not there yet
+            assert c.request("snapshot", name="rx0") == {  # registered, not there yet: said so, not "no queue"
+                "ok": False, "error": "queue 'rx0' has no ring now (no peer connected, or its vring not started)"}
             assert c.snapshot("wrapped")[1] == q.drv.snapshot()
             holder["rx"] = q.dev
             assert c.snapshot("rx0")[1] == q.dev.snapshot()

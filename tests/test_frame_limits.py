@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from rings.errors import ConfigError
-from rings.layout import VIRTIO_F_INDIRECT_DESC, bit
+from rings.layout import VIRTIO_F_INDIRECT_DESC, VIRTIO_NET_F_MRG_RXBUF, bit
 from virtio import packets
 from virtio._net import ffi, lib
 from virtio.app import DriverConfig, _Loop, _Stop
-from virtio.net import HEADROOM, INDIRECT_MAX, TX_HDR, NetQueues, check_tx_frame, tx_descs
+from virtio.net import HEADROOM, INDIRECT_MAX, TX_HDR, NetQueues, check_injected, check_tx_frame, tx_descs
 
 from tests.procs import VRING, collect
 
@@ -130,6 +130,36 @@ def test_net_27_without_mrg_rxbuf_a_frame_larger_than_an_rx_buffer_is_refused(se
     assert ("vring driver: ConfigError: a 1909-byte frame and its 12-byte header do not fit one 1920-byte Rx "
             "buffer") in err and "NET-27" in err and "buffer size of at least 2112" in err, err
     assert server.server.connections == 0, "refused before connecting"
+
+
+def test_net_30_macfwd_count_beyond_what_the_rx_ring_holds_is_refused(server, sock_path):
+    """--buf-size 192: 64 bytes a posted Rx buffer, so a 64-byte frame and its header take 2 (NET-30) and a
+    256-entry Rx ring holds 128 frames. --count 256 used to run, the device dropped 128 at once, and the run
+    exited 0 (only --verify said so). Refused before connecting; 128 forward with nothing missing."""
+    rc, out, err = driver(sock_path, "--buf-size", 192, "--count", 256, "--seconds", 1)
+    assert rc == 2 and out == "", (rc, out[-300:], err)
+    assert ("vring driver: ConfigError: 256 frames injected, but the Rx ring holds 128 (256 entries, 2 Rx buffers "
+            "a 64-byte frame, buffer size 192): the device would drop 128 of them; inject at most 128") in err, err
+    assert server.server.connections == 0, "refused before connecting"
+    rc, out, err = driver(sock_path, "--buf-size", 192, "--count", 128, "--verify", "--seconds", 0.5, "--drain", 0.5)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0 and res["tx"]["dropped"] == 0, res
+
+
+@pytest.mark.parametrize("mrg, count, refused", [(True, 64, False), (True, 65, True), (False, 64, False),
+                                                  (False, 65, True)])
+def test_check_injected_counts_rx_buffers_a_frame(mrg, count, refused):
+    """Ring of 64: with MRG_RXBUF a 1000-byte frame in 2048-byte buffers takes 1 (64 fit), without it one buffer
+    a frame (check_rx_frame refuses frames larger than one)."""
+    features = bit(VIRTIO_NET_F_MRG_RXBUF) if mrg else 0
+    if refused:
+        with pytest.raises(ConfigError, match=f"{count} frames injected, but the Rx ring holds 64"):
+            check_injected(count, 1000, features, 64)
+    else:
+        check_injected(count, 1000, features, 64)
+    with pytest.raises(ConfigError, match="Rx ring holds 9 .*3 Rx buffers a 1000-byte frame, buffer size 512"):
+        check_injected(10, 1000, bit(VIRTIO_NET_F_MRG_RXBUF), 27, buf_size=512)  # 384 bytes a buffer
 
 
 def test_net_27_without_mrg_rxbuf_a_frame_that_fills_an_rx_buffer_arrives(server, sock_path):

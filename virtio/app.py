@@ -42,7 +42,7 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_MASK, Ledger
-from .net import PUBLISH_EVERY, NetQueues, check_rx_frame, check_tx_frame, frame_segments
+from .net import PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
 
@@ -111,7 +111,10 @@ class DriverConfig:
                            force_slow=self.force_slow)
         # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
         receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
-        return check_rx_frame(frame if receives else None, features, self.buf_size)
+        warnings = check_rx_frame(frame if receives else None, features, self.buf_size)
+        if self.mode == "macfwd" and self.count:
+            check_injected(self.count, frame, features, self.ring_size, self.buf_size)
+        return warnings
 
 
 def pin_all_threads(cpu):

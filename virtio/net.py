@@ -174,6 +174,22 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM):
     return []
 
 
+def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEADROOM):
+    """macfwd --count: the frames injected all come back through the Rx ring at once when the device is quicker
+    than the driver, and a device with no Rx buffer for a frame drops it. ConfigError when the ring of ``size``
+    entries cannot hold ``count`` such frames (MRG_RXBUF: ceil((header + frame) / buffer) buffers a frame,
+    NET-30; without it one buffer a frame, check_rx_frame)."""
+    per_frame = 1
+    if has(features, VIRTIO_NET_F_MRG_RXBUF):
+        per_frame = -(-(frame_len + net_hdr_size(features)) // rx_buffer_len(features, buf_size, headroom))
+    holds = size // per_frame
+    if count > holds:
+        how = f"{per_frame} Rx buffers a {frame_len}-byte frame, " if per_frame > 1 else ""
+        raise ConfigError(f"{count} frames injected, but the Rx ring holds {holds} ({size} entries, {how}buffer "
+                          f"size {buf_size}): the device would drop {count - holds} of them; inject at most "
+                          f"{holds}, or use a larger ring" + (" or buffer size" if per_frame > 1 else ""))
+
+
 class TxQueue:
     """transmitq1 over a rings DriverQueue. ``burst(indices, lengths, more=False)`` -> packets queued.
     ``hdr``, ``hdr_init``, ``doorbell``, ``publish_every``: the Tx variants (TX_HDR, HDR_INIT, DOORBELL,

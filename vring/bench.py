@@ -218,6 +218,11 @@ class BenchConfig:
             Options(burst=self.burst, retries=self.retries, txq_flush=self.txq_flush, idle_polls=self.idle_polls)
         except ConfigError as e:
             raise ValueError(str(e)) from None
+        if any(p != "ours/ours" for p in self.pairs):
+            big = [s for s in self.pkt_sizes if s > MAX_PKT_DPDK]
+            if big:
+                raise ValueError(f"packet sizes {big} > {MAX_PKT_DPDK}: the DPDK pairs run with testpmd's "
+                                 f"default 2 KiB mbufs")
         if any(p.startswith("ours/") for p in self.pairs):
             from virtio.app import DriverConfig   # what our driver refuses at start, refused here before anything runs
             for size in self.pkt_sizes:
@@ -226,11 +231,6 @@ class BenchConfig:
                                  mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr).check()
                 except ConfigError as e:
                     raise ValueError(f"our driver, --pkt-size {size}: {e}") from None
-        if any(p != "ours/ours" for p in self.pairs):
-            big = [s for s in self.pkt_sizes if s > MAX_PKT_DPDK]
-            if big:
-                raise ValueError(f"packet sizes {big} > {MAX_PKT_DPDK}: the DPDK pairs run with testpmd's "
-                                 f"default 2 KiB mbufs")
         if self.rates:
             dpdk_drivers = [p for p in self.pairs if p.startswith("dpdk/")]
             if dpdk_drivers:
