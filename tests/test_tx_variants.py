@@ -26,7 +26,7 @@ def frames(nq, n, size=60):
     idx = nq.pool.alloc(n)
     for k, b in enumerate(idx):
         nq.pool.write(b, bytes([k + 1]) * size)
-        start = int(b) * nq.pool.buf_size
+        start = int(b) * nq.pool.stride
         nq.pool.mem[start:start + nq.pool.headroom] = 0xFF   # the header must be cleared, not left over
     return idx, np.full(n, size, np.uint32)
 

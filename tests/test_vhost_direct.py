@@ -105,7 +105,7 @@ def rx_headers_over(features, flush, stale):
     lp = Loop(features, txq_flush=flush)
     pool, hs = lp.nq.pool, lp.nq.hdr_size
     assert hs == len(stale)
-    at = np.arange(pool.nbufs)[:, None] * pool.buf_size + pool.headroom - hs + np.arange(hs)
+    at = np.arange(pool.nbufs)[:, None] * pool.stride + pool.headroom - hs + np.arange(hs)
     pool.mem[at] = np.frombuffer(stale, np.uint8)
     idx = pool.alloc(8)
     for k, b in enumerate(idx):

@@ -65,7 +65,7 @@ def test_fill_posts_writable_buffers_with_header_in_headroom(variant):
         (addr, length, w), = ch.segments(k)
         assert w  # writable
         assert length == pool.buf_size - pool.headroom + hs >= hs        # NET-25
-        assert (addr - pool.gpa - pool.headroom + hs) % pool.buf_size == 0
+        assert (addr - pool.gpa - pool.headroom + hs) % pool.stride == 0
     assert nq.rx.counters()["posted"] == nq.size
     nq.close()
 

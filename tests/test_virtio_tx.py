@@ -27,7 +27,7 @@ def packets(nq, n, size=60, headroom_garbage=True):
     for k, b in enumerate(idx):
         nq.pool.write(b, bytes([k & 0xFF]) * size)
         if headroom_garbage:   # the header must be cleared, not left from earlier use
-            start = int(b) * nq.pool.buf_size
+            start = int(b) * nq.pool.stride
             nq.pool.mem[start:start + nq.pool.headroom] = 0xFF
     return idx, np.full(n, size, np.uint32)
 

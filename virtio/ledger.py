@@ -40,7 +40,7 @@ class Ledger:
                 ln = pool.data_len[b[live]].astype(np.int64)
                 here = pos[live] < ln
                 h = live[here]
-                at[k, h] = b[h] * pool.buf_size + pool.data_off[b[h]] + pos[h]
+                at[k, h] = b[h] * pool.stride + pool.data_off[b[h]] + pos[h]
                 live = live[~here]
                 pos[live] -= ln[~here]
                 b[live] = pool.next[b[live]]

@@ -22,7 +22,7 @@ from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F
 from rings.shm import MemoryTable, ShmRegion
 
 from ._net import ffi, lib
-from .pool import HEADROOM, BufferPool, check_geometry
+from .pool import HEADROOM, BufferPool, check_geometry, pool_stride
 
 GPA_BASE = 0x100000000     # like virtio_user's --no-huge memory: gpa == uaddr, a fixed base
 PAGE = 4096
@@ -60,7 +60,7 @@ class GuestMemory:
         self.tx_off, off = off, off + ring
         self.hdr_off, off = off, align_up(off + size * HDR_SLOT, PAGE)
         self.ind_off, off = off, align_up(off + size * indirect_max * 16, PAGE)
-        self.pool_off, off = off, off + nbufs * buf_size
+        self.pool_off, off = off, off + nbufs * pool_stride(buf_size)
         self.size = align_up(off, PAGE)
         self.gpa = gpa_base
         self.indirect_max = indirect_max

@@ -31,15 +31,25 @@ def _ptr(ctype, arr):
     return ffi.cast(ctype, ffi.from_buffer(arr))
 
 
+def pool_stride(buf_size):
+    """Bytes from one pool buffer to the next: ``buf_size`` when it is an odd number of cache lines, else 64 more.
+    Buffers a power of two apart put the same bytes of every buffer (the header and the frame's first lines) into
+    the same few cache sets, and a ring's worth of them evict each other; an odd count of lines spreads them over
+    every set, as DPDK's mempool pads its objects. Measured: our driver in front of net_vhost, packed, one burst
+    in flight, +7% (--buf-size 2048 against 2112, which is what the stride does)."""
+    return buf_size if (buf_size // 64) % 2 else buf_size + 64
+
+
 class BufferPool:
-    """``nbufs`` buffers of ``buf_size`` bytes at guest address ``gpa``, mapped at ``view`` (a writable buffer
-    of at least ``nbufs * buf_size`` bytes) in this process. Packet data starts ``headroom`` bytes in, which
+    """``nbufs`` buffers of ``buf_size`` bytes, ``pool_stride(buf_size)`` apart, at guest address ``gpa``, mapped
+    at ``view`` (a writable buffer of at least ``nbufs * pool_stride(buf_size)`` bytes) in this process. Packet data starts ``headroom`` bytes in, which
     leaves room for the virtio-net header (Tx fast path, Rx header landing)."""
 
     def __init__(self, view, gpa, nbufs, buf_size=2048, headroom=HEADROOM):
         check_geometry(buf_size, headroom)
         self.gpa, self.nbufs, self.buf_size, self.headroom = gpa, nbufs, buf_size, headroom
-        self.mem = np.frombuffer(view, np.uint8, count=nbufs * buf_size)
+        self.stride = pool_stride(buf_size)
+        self.mem = np.frombuffer(view, np.uint8, count=nbufs * self.stride)
         self.stack = np.arange(nbufs - 1, -1, -1, dtype=np.uint32)  # pops 0, 1, 2, ... first
         self.owned = np.zeros(nbufs, np.uint8)
         self.data_off = np.full(nbufs, headroom, np.uint16)
@@ -47,7 +57,7 @@ class BufferPool:
         self.next = np.full(nbufs, NONE, np.uint32)
         c = self.c = ffi.new("struct vn_pool *")
         c.host = ffi.cast("uint8_t *", ffi.from_buffer(self.mem))
-        c.gpa, c.buf_size, c.headroom, c.nbufs, c.top = gpa, buf_size, headroom, nbufs, nbufs
+        c.gpa, c.buf_size, c.stride, c.headroom, c.nbufs, c.top = gpa, buf_size, self.stride, headroom, nbufs, nbufs
         c.stack = _ptr("uint32_t *", self.stack)
         c.owned = _ptr("uint8_t *", self.owned)
         c.data_off = _ptr("uint16_t *", self.data_off)
@@ -75,14 +85,14 @@ class BufferPool:
     # -- per-packet helpers for tests and tools (not the hot path) -----------------------------------------
 
     def gpa_of(self, b):
-        return self.gpa + int(b) * self.buf_size
+        return self.gpa + int(b) * self.stride
 
     def data(self, b):
         """The bytes of packet b (all its segments)."""
         out = bytearray()
         b = int(b)
         while b != NONE:
-            start = b * self.buf_size + int(self.data_off[b])
+            start = b * self.stride + int(self.data_off[b])
             out += self.mem[start:start + int(self.data_len[b])].tobytes()
             b = int(self.next[b])
         return bytes(out)
@@ -95,7 +105,7 @@ class BufferPool:
             raise ConfigError(f"{len(data)} bytes at offset {off} do not fit a {self.buf_size}-byte buffer")
         self.data_off[b] = off
         self.data_len[b] = len(data)
-        start = b * self.buf_size + off
+        start = b * self.stride + off
         self.mem[start:start + len(data)] = np.frombuffer(bytes(data), np.uint8)
 
     def chain(self, bufs):

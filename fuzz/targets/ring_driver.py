@@ -161,14 +161,14 @@ class NetMemory:
     RX, TX, HDR, POOL = 0x10000, 0x20000, 0x30000, 0x100000
 
     def __init__(self, fmt, size, nbufs, buf_size, indirect_max=4):
-        from virtio.pool import HEADROOM, BufferPool
+        from virtio.pool import HEADROOM, BufferPool, pool_stride
         dsz, drv, dev = area_sizes(fmt, size)
         areas = []
         for prefix, base in (("rx_", self.RX), ("tx_", self.TX)):
             areas += [(prefix + "desc", base, dsz), (prefix + "driver", base + 0x4000, drv),
                       (prefix + "device", base + 0x8000, dev)]
         # Tx header slots, then the indirect tables (one area: a MemoryTable holds 8 regions)
-        areas += [("hdr", self.HDR, size * 16 + size * indirect_max * 16), ("pool", self.POOL, nbufs * buf_size)]
+        areas += [("hdr", self.HDR, size * 16 + size * indirect_max * 16), ("pool", self.POOL, nbufs * pool_stride(buf_size))]
         self.g = GuestMemory(areas)
         self.table = self.g.table
         self.rx_layout = QueueLayout(fmt, size, self.RX, self.RX + 0x4000, self.RX + 0x8000)

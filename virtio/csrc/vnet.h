@@ -19,8 +19,8 @@
 
 /* ----------------------------------------------------------------------------------- pool */
 
-static inline uint8_t *vn_buf(const struct vn_pool *p, uint32_t b) { return p->host + (uint64_t)b * p->buf_size; }
-static inline uint64_t vn_gpa(const struct vn_pool *p, uint32_t b) { return p->gpa + (uint64_t)b * p->buf_size; }
+static inline uint8_t *vn_buf(const struct vn_pool *p, uint32_t b) { return p->host + (uint64_t)b * p->stride; }
+static inline uint64_t vn_gpa(const struct vn_pool *p, uint32_t b) { return p->gpa + (uint64_t)b * p->stride; }
 
 /* Take up to n buffers off the free stack (data_off = headroom, one segment). State in locals: the uint8_t
  * stores into owned[] may alias anything. */
@@ -207,7 +207,7 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
     const uint16_t *data_off = p->data_off;
     const uint32_t *next = p->next;
     uint8_t *host = p->host;
-    uint64_t gpa = p->gpa, bs = p->buf_size, bytes = 0;
+    uint64_t gpa = p->gpa, bs = p->stride, bytes = 0;
     uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0, every = t->every_now;
     uint8_t tmpl[12];
     uint64_t a[VN_RUN], tok[VN_RUN];
@@ -415,7 +415,7 @@ static inline uint32_t vn_rx_refill(struct vn_rxq *r, uint32_t thresh)
     const uint32_t *ref_idx = r->ref_idx;
     uint64_t *ref_addr = r->ref_addr, *ref_tok = r->ref_tok;
     uint32_t *ref_len = r->ref_len, post_len = r->post_len;
-    uint64_t base = p->gpa + p->headroom - r->hdr_size, bs = p->buf_size;   /* header lands in the headroom */
+    uint64_t base = p->gpa + p->headroom - r->hdr_size, bs = p->stride;   /* header lands in the headroom */
     for (uint32_t i = 0; i < k; i++) {
         uint32_t b = ref_idx[i];
         ref_addr[i] = base + b * bs;
@@ -509,7 +509,7 @@ static inline void vn_rx_take_all(struct vn_rxq *r, uint32_t got, uint32_t *out_
     uint16_t *data_off = p->data_off, hr = (uint16_t)p->headroom;
     uint32_t *data_len = p->data_len, *next = p->next;
     uint32_t nbufs = p->nbufs, hs = r->hdr_size, mrg = r->mrg, nout = *nout_io;
-    uint64_t bs = p->buf_size, pkts = 0, bytes = 0;
+    uint64_t bs = p->stride, pkts = 0, bytes = 0;
     if (r->own_frame) {   /* the line the caller will write (macfwd): all asked for at once, before any read */
         for (uint32_t i = 0; i < got; i++)
             if (tok[i] < nbufs)
@@ -631,7 +631,7 @@ static inline void vn_lat_measure(struct vn_lat *l, struct vn_pool *p, const uin
     const uint16_t *data_off = p->data_off;
     const uint32_t *data_len = p->data_len;
     uint8_t *host = p->host;
-    uint64_t *hist = l->hist, bs = p->buf_size;
+    uint64_t *hist = l->hist, bs = p->stride;
     uint64_t count = l->count, sum = l->sum, min = l->min, max = l->max, bad = l->bad;
     uint32_t ts_off = l->ts_off;
     for (uint32_t i = 0; i < n; i++) {

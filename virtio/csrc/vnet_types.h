@@ -7,6 +7,7 @@ struct vn_pool {
     uint8_t *host;          /* buffer 0 in this process */
     uint64_t gpa;           /* buffer 0 as a guest address */
     uint32_t buf_size, headroom, nbufs;
+    uint32_t stride;        /* bytes from one buffer to the next: buf_size, or 64 more (virtio/pool.py pool_stride) */
     uint32_t top;           /* free stack: stack[0..top) */
     uint32_t *stack;
     uint8_t *owned;         /* 1 while allocated */
