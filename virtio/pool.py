@@ -42,8 +42,9 @@ def pool_stride(buf_size):
 
 class BufferPool:
     """``nbufs`` buffers of ``buf_size`` bytes, ``pool_stride(buf_size)`` apart, at guest address ``gpa``, mapped
-    at ``view`` (a writable buffer of at least ``nbufs * pool_stride(buf_size)`` bytes) in this process. Packet data starts ``headroom`` bytes in, which
-    leaves room for the virtio-net header (Tx fast path, Rx header landing)."""
+    at ``view`` (a writable buffer of at least ``nbufs * pool_stride(buf_size)`` bytes) in this process. Packet
+    data starts ``headroom`` bytes in, which leaves room for the virtio-net header (Tx fast path, Rx header
+    landing)."""
 
     def __init__(self, view, gpa, nbufs, buf_size=2048, headroom=HEADROOM):
         check_geometry(buf_size, headroom)
