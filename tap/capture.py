@@ -37,7 +37,6 @@ from rings.snapshot import infer_published_packed
 
 _DESC = struct.Struct("<QIHH")
 _U16 = struct.Struct("<H")
-_ELEM = struct.Struct("<II")
 MAX_FRAME = 65536 + 64
 
 
@@ -121,6 +120,7 @@ class SplitObserver(_Ring):
     def __init__(self, *args):
         super().__init__(*args)
         self._avail_ring = struct.Struct(f"<{self.n}H")  # one read of the whole avail ring
+        self._used_ring = struct.Struct(f"<{2 * self.n}I")  # one copy of the whole used ring: (id, len) pairs
         self.resync()
 
     def resync(self):
@@ -177,14 +177,23 @@ class SplitObserver(_Ring):
         # used.idx is for a buffer the avail read below records (the other order takes the buffers published
         # and used between the two reads for buffers never seen published)
         used_idx = self.u16(self.used, 2)
+        m = (used_idx - self.last_used) & 0xFFFF
+        if 0 < m <= n:
+            # the entries copied at once, then used.idx read again: had the device gone round onto the oldest
+            # (position last_used + n written), an (id, len) could be a later buffer's, and the length of one
+            # buffer with the bytes of another makes a frame nobody sent
+            used = self._used_ring.unpack_from(self.used, 4)
+            if (self.u16(self.used, 2) - self.last_used) & 0xFFFF > n:
+                self.stats["lapped"] += m
+                self.resync()
+                return 1  # not idle: look again at once
         avail_idx = self.u16(self.avail, 2)
         k = (avail_idx - self.last_avail) & 0xFFFF
         if k > n:  # the driver published more than a ring's worth since the last look
             self.stats["lost"] += 1
             self.resync()
-            return 1  # not idle: look again at once
+            return 1
         self._record(k)
-        m = (used_idx - self.last_used) & 0xFFFF
         if m == 0:
             return k  # idle (the capture thread sleeps) only when neither index moved
         if m > n:
@@ -195,13 +204,14 @@ class SplitObserver(_Ring):
         pos, left, look = self.last_used, m, 32
         while left:
             look -= 1
-            if not look:  # a long look: has the device gone round onto the entries still to read?
+            if not look:  # a long look: has the device gone round onto the entries still to read? (their
+                # buffers are the driver's again, to be filled with other bytes)
                 look = 32
                 if (self.u16(self.used, 2) - pos) & 0xFFFF >= n:
                     self.stats["lapped"] += left
                     self.resync()
                     return m
-            id, length = _ELEM.unpack_from(self.used, 4 + 8 * (pos % n))
+            id, length = used[2 * (pos % n)], used[2 * (pos % n) + 1]
             if self.in_order:  # one entry for a batch: the buffers up to the one whose head is id (INORDER-06)
                 batch = []
                 while self.fifo and len(batch) < left:
