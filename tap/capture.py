@@ -15,8 +15,8 @@ per vring and said (``vring dump --ctl`` notes, the tap's exit line):
 * ``lapped``: split entries the ring overwrote before the tap looked (the index moved more than the ring
   size between two looks; a lower bound: an index that moves by 65536 or more looks unmoved);
 * ``lost``: buffers whose publication or completion the tap did not see in order (packed: the tap's
-  cursors no longer match the ring; it starts again from the driver's published position, and the buffers
-  in flight then are not captured);
+  cursors no longer match the ring, or a slot it follows was made available again, a lap on; it starts
+  again from the driver's published position, and the buffers in flight then are not captured);
 * ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame;
 * ``not_seen_published``: a used entry for a buffer the tap never saw published.
 
@@ -317,7 +317,15 @@ class PackedObserver(_Ring):
             if self.outstanding > self.n:  # the device's used position never came to ours
                 return self._lost(1)
         when, done = None, 0
-        while self.used_at != self.avail_at and self._used(self.used_at):
+        while self.used_at != self.avail_at:
+            f = self.flags(self.used_at[0])
+            if bool(f & VIRTQ_DESC_F_AVAIL) != self.used_at[1]:
+                # the device's next used descriptor goes where the tap saw a list made available in this lap:
+                # the driver made it available again, so the ring went round past the tap (waiting on would take
+                # a used descriptor two laps on for this one)
+                return self._lost(1)
+            if bool(f & VIRTQ_DESC_F_USED) != self.used_at[1]:
+                break
             when = when or time.time_ns()
             _, length, id, _ = _DESC.unpack_from(self.desc, 16 * self.used_at[0])
             if self.in_order:  # the buffers up to the one with this id (INORDER-11..14)

@@ -236,3 +236,38 @@ class RacingAvail(SplitObserver):
             step()
         return super().u16(view, off)
 
+
+def test_packed_v_01_slot_made_available_again_while_the_tap_waits_is_a_loss():
+    """Packed, ring of 4: the tap follows two lists; the ring then goes round once (their slots used and made
+    available again in the next lap) before it looks. It used to wait on at the first slot, and two laps on took
+    the used descriptor there for its old list: a frame of the old length read where a later, longer one
+    lies. The AVAIL bit of the slot where the device's next used descriptor goes (PACKED-V-01/02) says the lap."""
+    mem, lay, feats, drv, dev = rings("packed", 4)
+    obs = PackedObserver(lay, mem, mem, feats, False)
+    out, sent = Sink(), []
+
+    def tx(*ks):  # frames of growing length, at the address of slot k % 4: reused every lap
+        fs = [frame(k) + bytes(k) for k in ks]
+        for k, f in zip(ks, fs):
+            mem.write(DATA + 2048 * (k % 4), bytes(HDR) + f)
+        drv.add(np.array([DATA + 2048 * (k % 4) for k in ks]), np.array([HDR + len(f) for f in fs]),
+                np.ones(len(ks), int), np.zeros(len(ks), int), np.array(ks))
+        drv.publish()
+        sent.extend(fs)
+
+    def use():
+        ch = dev.poll()
+        dev.push_used(ch.id, [0] * len(ch.id))
+        dev.flush()
+        drv.reclaim()
+
+    tx(0, 1)
+    obs.poll(out)  # follows slots 0 and 1
+    use(), tx(2, 3), use(), tx(4, 5)  # slots 0 and 1 available again, in the next lap
+    obs.poll(out)
+    assert obs.stats["lost"] == 1 and out.frames == []
+    use(), tx(6, 7), use(), tx(8, 9), use()  # and round once more
+    for _ in range(3):
+        obs.poll(out)
+    assert all(f in sent for f in out.frames)
+
