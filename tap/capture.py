@@ -16,8 +16,12 @@ per vring and said (``vring dump --ctl`` notes, the tap's exit line):
   size between two looks; a lower bound: an index that moves by 65536 or more looks unmoved);
 * ``lost``: buffers whose publication or completion the tap did not see in order (packed: the tap's
   cursors no longer match the ring, or a slot it follows was made available again, a lap on; it starts
-  again from the driver's published position, and the buffers in flight then are not captured);
-* ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame;
+  again from the driver's published position, and the buffers in flight then are not captured); and a
+  mergeable Rx frame the tap came into in the middle (it cannot tell where frames begin after starting
+  again behind buffers in flight, or after missing a buffer: it waits for one used short of its length,
+  which ends a frame, NET-30);
+* ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame, a
+  mergeable frame whose buffers do not match its num_buffers (NET-29/30) or with a buffer missing;
 * ``not_seen_published``: a used entry for a buffer the tap never saw published.
 
 A peer that reuses a buffer faster than the tap reads it can change the bytes under the tap: the frames
@@ -61,7 +65,8 @@ class _Ring:
         self.in_order = has(features, VIRTIO_F_IN_ORDER)
         self.hdr = virtio_net_hdr_size(features)
         self.mrg = rx and has(features, VIRTIO_NET_F_MRG_RXBUF)
-        self.pending = None          # Rx, mergeable: [frame bytes so far, buffers still to come]
+        self.pending = None          # Rx, mergeable: [frame bytes so far (None: a buffer missed), buffers to come]
+        self.aligned = True          # Rx, mergeable: the next used buffer begins a frame (False: not known)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     def u16(self, view, off):
@@ -77,6 +82,15 @@ class _Ring:
     def buffer(self, segs, length, when, out):
         """One used buffer: segments [(addr, len, write)] and the used length (Rx); writes a frame when one
         is complete."""
+        if self.mrg:
+            # NET-30: every buffer of a frame but the last is used to its full length, so one used shorter ends
+            # a frame; where the tap does not know where frames begin, it waits for one
+            last = length < sum(seg_len for _, seg_len, write in segs if write)
+            if not self.aligned:
+                if last:
+                    self.aligned = True
+                    self.stats["lost"] += 1  # the frame the tap came into in the middle
+                return
         try:
             if self.rx:
                 data, left = bytearray(), length
@@ -89,24 +103,46 @@ class _Ring:
                 data = b"".join(self.buf_mem.read(addr, min(seg_len, MAX_FRAME)) for addr, seg_len, write in segs
                                 if not write)
         except VringError:
-            self.stats["unreadable"] += 1
-            self.pending = None
+            self.missed(last=self.mrg and last)
             return
         if self.pending is not None:  # a later buffer of a mergeable Rx packet: no header of its own (NET-32)
-            self.pending[0] += data
+            frame = self.pending[0]
+            if frame is not None:
+                frame += data
             self.pending[1] -= 1
-            if self.pending[1] <= 0:
-                frame, self.pending = bytes(self.pending[0]), None
-                self._write(frame, when, out)
+            more = self.pending[1]
+            if more > 0 and not last:
+                return
+            self.pending = None
+            if more > 0:  # used short before num_buffers of them (NET-30): not the frame its header announced
+                self.stats["unreadable"] += 1
+            elif frame is not None:  # (None: a buffer of it was missed, and counted)
+                self._write(bytes(frame), when, out)
             return
         if len(data) < self.hdr:
             self.stats["unreadable"] += 1
             return
         more = _U16.unpack_from(data, 10)[0] - 1 if self.mrg and self.hdr >= 12 else 0
-        if 0 < more < 256:
+        if more > 0:  # NET-29: num_buffers buffers, all in the ring together (NET-31)
+            if last or more >= self.n:  # used short yet more to come (NET-30), or more than the ring holds
+                self.stats["unreadable"] += 1
+                self.aligned = last
+                return
             self.pending = [bytearray(data[self.hdr:]), more]
             return
         self._write(bytes(data[self.hdr:]), when, out)
+
+    def missed(self, why="unreadable", last=False):
+        """A used buffer whose bytes the tap cannot have (unreadable, or never seen made available), counted under
+        ``why``. ``last``: its used length shows that it ends a frame (NET-30)."""
+        self.stats[why] += 1
+        if self.pending is not None:  # a later buffer of a mergeable frame: that frame cannot be whole
+            self.pending[0] = None
+            self.pending[1] -= 1
+            if self.pending[1] <= 0 or last:
+                self.pending = None
+        elif self.mrg and not last:  # it may begin a frame whose other buffers come next
+            self.aligned = False
 
     def _write(self, frame, when, out):
         if len(frame) < 14:
@@ -130,6 +166,7 @@ class SplitObserver(_Ring):
         self.recs = defaultdict(deque)   # head -> segment lists, oldest first (a head can come back)
         self.fifo = deque()              # IN_ORDER: (head, segments) in avail order
         self.pending = None
+        self.aligned = True              # used.idx moves by whole frames (NET-31)
 
     def _record(self, k):
         """The k buffers published from last_avail on, their chains read now, while they are in flight."""
@@ -229,7 +266,7 @@ class SplitObserver(_Ring):
             else:
                 q = self.recs.get(id)
                 if not q:
-                    self.stats["not_seen_published"] += 1
+                    self.missed("not_seen_published")
                 else:
                     self._one(q.popleft(), length, when, out)
                 pos, left = (pos + 1) & 0xFFFF, left - 1
@@ -238,7 +275,7 @@ class SplitObserver(_Ring):
 
     def _one(self, segs, length, when, out):
         if segs is None:
-            self.stats["unreadable"] += 1
+            self.missed()
         else:
             self.buffer(segs, length, when, out)
 
@@ -255,12 +292,21 @@ class PackedObserver(_Ring):
     def resync(self):
         """Start from the driver's published position (read from the AVAIL bits): buffers in flight now are
         not followed; the device's used position meets this one once they are done."""
-        found = infer_published_packed(self._all_flags.unpack_from(self.desc, 0))
+        flags = self._all_flags.unpack_from(self.desc, 0)
+        found = infer_published_packed(flags)
         self.avail_at = self.used_at = found[:2] if isinstance(found, tuple) else None
         self.recs = defaultdict(deque)   # id -> (ndesc, segments)
         self.fifo = deque()              # IN_ORDER: (id, ndesc, segments)
         self.outstanding = 0             # descriptors recorded and not yet seen used
         self.pending = None
+        self.aligned = True
+        if self.mrg and self.avail_at is not None:
+            # the slot before the start still made available, in its lap: the device may begin a frame in the
+            # buffers in flight there and go on into the ones followed from here (NET-31: used together)
+            slot, wrap = self.avail_at
+            prev, lap = (slot - 1, wrap) if slot else (self.n - 1, wrap ^ 1)
+            f = flags[prev]
+            self.aligned = not (bool(f & VIRTQ_DESC_F_AVAIL) == lap and bool(f & VIRTQ_DESC_F_USED) != lap)
 
     def _step(self, at, k):
         slot, wrap = at
@@ -345,7 +391,7 @@ class PackedObserver(_Ring):
             for k, (_, _, segs) in enumerate(batch):
                 full = sum(s[1] for s in segs or () if s[2])
                 if segs is None:
-                    self.stats["unreadable"] += 1
+                    self.missed()
                 else:
                     self.buffer(segs, length if k == len(batch) - 1 else full, when, out)
             self.used_at = self._step(self.used_at, sum(b[1] for b in batch))

@@ -2,6 +2,8 @@
 bytes of each buffer at the time its used entry appears, header stripped, in used order; IN_ORDER batches
 (INORDER-06/11), mergeable Rx buffers joined by num_buffers (NET-29..32); and what it cannot see is counted
 instead of guessed (a split ring lapped between two looks; packed cursors out of step)."""
+import struct
+
 import numpy as np
 import pytest
 
@@ -271,3 +273,71 @@ def test_packed_v_01_slot_made_available_again_while_the_tap_waits_is_a_loss():
         obs.poll(out)
     assert all(f in sent for f in out.frames)
 
+
+def test_net_30_packed_tap_started_inside_a_mergeable_frame_writes_no_piece_of_it():
+    """Mergeable Rx, packed ring of 4 full of 40-byte buffers when the tap starts: it follows from the driver's
+    position, and the device's next frame begins in the buffer in flight before it (slot 3) and ends in the
+    first the tap follows. That buffer has no header (NET-32); the tap took its frame bytes for one. It waits
+    now for a buffer used short of its length, the last of a frame (NET-30), and writes the frames after."""
+    mem, lay, feats, drv, dev = rings("packed", 4, VIRTIO_NET_F_MRG_RXBUF)
+    polled = []
+
+    def post(slots):
+        drv.add(DATA + 2048 * np.array(slots), np.full(len(slots), 40), np.zeros(len(slots), int),
+                np.ones(len(slots), int), np.array(slots))
+        drv.publish()
+
+    def receive(f):  # into as many polled buffers as it takes, num_buffers set (NET-29)
+        ch = dev.poll()
+        polled.extend((int(ch.id[i]), ch.segments(i)[0][0]) for i in range(len(ch.id)))
+        data = bytearray(HDR) + f
+        nb = -(-len(data) // 40)
+        data[10:12] = nb.to_bytes(2, "little")
+        ids, lens = [], []
+        for j in range(nb):
+            id, addr = polled.pop(0)
+            mem.write(addr, bytes(data[40 * j:40 * j + 40]))
+            ids.append(id)
+            lens.append(len(data[40 * j:40 * j + 40]))
+        dev.push_used(ids, lens)
+        dev.flush()
+
+    post([0, 1, 2, 3])
+    obs = PackedObserver(lay, mem, mem, feats, True)  # starts at slot 0 of the next lap; slot 3 in flight
+    out = Sink()
+    for k in range(3):
+        receive(frame(k)[:20])  # one buffer each: slots 0..2
+    drv.reclaim()
+    post([4, 5, 6])  # slots 0..2 of the next lap, followed by the tap
+    obs.poll(out)
+    receive(frame(3))  # 72 bytes: slot 3, then slot 0 (the tap's first)
+    receive(frame(4)[:20])  # slot 1
+    obs.poll(out)
+    assert out.frames == [frame(4)[:20]]
+    assert obs.stats["lost"] == 1 and obs.stats["frames"] == 1
+
+
+def test_net_29_mergeable_frame_with_a_buffer_never_seen_published_is_not_written():
+    """Split Rx, mergeable: a frame announced over 3 buffers (num_buffers 3), whose second used entry names a
+    head the tap never saw made available (a hostile device). The tap used to join the first and third into
+    one frame; it writes none of it now, and the next frame whole."""
+    mem, lay, feats, drv, dev = rings("split", 8, VIRTIO_NET_F_MRG_RXBUF)
+    obs = SplitObserver(lay, mem, mem, feats, True)
+    out = Sink()
+    drv.add(DATA + 2048 * np.arange(3), np.full(3, 40), np.zeros(3, int), np.ones(3, int), np.arange(3))
+    drv.publish()
+    obs.poll(out)
+    whole = frame(5)  # 72 bytes with its header: 40 + 32
+    data = bytearray(HDR) + whole
+    data[10:12] = (3).to_bytes(2, "little")
+    mem.write(DATA, bytes(data[:40]))
+    mem.write(DATA + 2048, bytes(data[40:]))
+    single = bytearray(HDR) + frame(6)[:20]
+    single[10:12] = (1).to_bytes(2, "little")
+    mem.write(DATA + 4096, bytes(single))
+    for j, (id, length) in enumerate([(0, 40), (7, 40), (1, 32), (2, len(single))]):  # the device's used entries
+        mem.write(lay.device + 4 + 8 * j, struct.pack("<II", id, length))
+    mem.write(lay.device + 2, struct.pack("<H", 4))
+    obs.poll(out)
+    assert out.frames == [frame(6)[:20]]
+    assert obs.stats["not_seen_published"] == 1 and obs.stats["frames"] == 1
