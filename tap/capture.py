@@ -92,16 +92,16 @@ class _Ring:
                     self.stats["lost"] += 1  # the frame the tap came into in the middle
                 return
         try:
-            if self.rx:
-                data, left = bytearray(), length
-                for addr, seg_len, write in segs:
-                    if write and left > 0:
-                        take = min(seg_len, left, MAX_FRAME - len(data))
-                        data += self.buf_mem.read(addr, take)
-                        left -= take
-            else:
-                data = b"".join(self.buf_mem.read(addr, min(seg_len, MAX_FRAME)) for addr, seg_len, write in segs
-                                if not write)
+            # at most MAX_FRAME bytes a frame, whatever the segments say (a peer's chain of many long ones)
+            room = MAX_FRAME
+            if self.pending is not None:  # what the frame so far leaves (none: a buffer of it was missed)
+                room = MAX_FRAME - len(self.pending[0]) if self.pending[0] is not None else 0
+            data, left = bytearray(), min(length, room) if self.rx else room
+            for addr, seg_len, write in segs:
+                if write == self.rx and left > 0:
+                    take = min(seg_len, left)
+                    data += self.buf_mem.read(addr, take)
+                    left -= take
         except VringError:
             self.missed(last=self.mrg and last)
             return

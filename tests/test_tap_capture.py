@@ -11,7 +11,7 @@ from rings import reference
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF,
                           QueueLayout, bit)
 from rings.shm import MemoryTable
-from tap.capture import PackedObserver, SplitObserver
+from tap.capture import MAX_FRAME, PackedObserver, SplitObserver
 
 BASE, DATA, MEMSIZE = 0x100000, 0x140000, 1 << 20
 HDR = 12
@@ -341,3 +341,28 @@ def test_net_29_mergeable_frame_with_a_buffer_never_seen_published_is_not_writte
     obs.poll(out)
     assert out.frames == [frame(6)[:20]]
     assert obs.stats["not_seen_published"] == 1 and obs.stats["frames"] == 1
+
+
+@pytest.mark.parametrize("rx", [False, True])
+def test_a_chain_of_long_segments_makes_at_most_one_frames_worth(rx):
+    """A hostile peer's buffer of 16 segments of 64 KiB each (Tx), or a mergeable Rx frame announced over 16
+    such buffers: the tap read all of it (1 MiB, and a ring of 32768 entries makes it 2 GiB a frame, whose
+    MemoryError the capture thread does not catch). At most MAX_FRAME bytes are kept."""
+    mem, lay, feats, drv, dev = rings("split", 16, *([VIRTIO_NET_F_MRG_RXBUF] if rx else []))
+    obs = SplitObserver(lay, mem, mem, feats, rx)
+    out = Sink()
+    big = 1 << 16
+    head = bytearray(HDR) + frame(1)
+    head[10:12] = (16).to_bytes(2, "little")
+    mem.write(DATA, bytes(head))
+    if rx:
+        drv.add(np.full(16, DATA), np.full(16, big), np.zeros(16, int), np.ones(16, int), np.arange(16))
+    else:
+        drv.add(np.full(16, DATA), np.full(16, big), np.array([16]), np.array([0]), np.array([0]))
+    drv.publish()
+    obs.poll(out)
+    ch = dev.poll()
+    dev.push_used(ch.id, [big] * (len(ch.id) - 1) + [big - 1] if rx else [0])
+    dev.flush()
+    obs.poll(out)
+    assert len(out.frames) == 1 and len(out.frames[0]) <= MAX_FRAME
