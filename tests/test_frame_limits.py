@@ -148,7 +148,7 @@ def test_net_30_macfwd_count_beyond_what_the_rx_ring_holds_is_refused(server, so
 
 
 
-def test_split_d_05_macfwd_count_beyond_what_the_tx_ring_holds_is_refused(server, sock_path):
+def test_macfwd_count_beyond_what_the_tx_ring_holds_is_refused(server, sock_path):
     """--tx-hdr chain: 2 descriptors a frame, so a 256-entry Tx ring holds 128 frames. --count 256 passed the Rx
     check, ran, and the driver dropped 128 at once when they all came back to go out (tx dropped 128, exit 0,
     --verify quiet: every frame had been seen once). Refused before connecting; 128 forward with none dropped."""
