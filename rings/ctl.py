@@ -9,7 +9,8 @@ unregister at any time, from any thread.
 
 Protocol: AF_UNIX stream socket, mode 0600, one JSON object per line each way. Requests:
 
-    {"cmd": "list"}                  -> {"ok": true, "queues": [{"name", "format", "side", "size"}, ...]}
+    {"cmd": "list"}                  -> {"ok": true, "queues": [{"name", "format", "side", "size"}, ...],
+                                         "no_ring": [names registered whose ring is not there now]}
     {"cmd": "snapshot", "name": N}   -> {"ok": true, "name": N, "time": t, "snapshot": {...}}
     {"cmd": "raw", "name": N}        -> {"ok": true, "name": N, "time": t, "raw": base64 of the raw file}
     {"cmd": "raw", "name": N, "path": P} -> the server writes the raw snapshot file at P: {"ok": true, "path": P}
@@ -138,14 +139,16 @@ class ControlServer:
             req = _parse(line)
             cmd = req.get("cmd")
             if cmd == "list":
-                out = []
+                out, no_ring = [], []
                 for name in self.names():
                     try:
                         q = self._queue(name)
                         out.append({"name": name, "format": q.layout.fmt, "side": q.side, "size": q.layout.size})
-                    except LookupError:  # not registered, or no ring now
+                    except _NoRing:
+                        no_ring.append(name)
+                    except KeyError:  # unregistered meanwhile
                         pass
-                return {"ok": True, "queues": out}
+                return {"ok": True, "queues": out, "no_ring": no_ring}
             if cmd in ("snapshot", "raw"):
                 name = req.get("name")
                 if not isinstance(name, str):
@@ -222,11 +225,16 @@ class ControlClient:
             raise ControlError(f"control socket sent a {type(reply).__name__}, not a JSON object")
         return reply
 
-    def list(self):
-        queues = _ok(self.request("list")).get("queues")
+    def list(self, no_ring=None):
+        """The queues with a ring now; ``no_ring``, a list, gets the names of those registered without one."""
+        reply = _ok(self.request("list"))
+        queues, waiting = reply.get("queues"), reply.get("no_ring", [])
         if not isinstance(queues, list) or not all(isinstance(q, dict) and isinstance(q.get("name"), str)
-                                                   for q in queues):
+                                                   for q in queues) \
+                or not isinstance(waiting, list) or not all(isinstance(n, str) for n in waiting):
             raise ControlError("control socket sent a malformed queue list")
+        if no_ring is not None:
+            no_ring.extend(waiting)
         return queues
 
     def snapshot(self, name):

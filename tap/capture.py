@@ -15,9 +15,13 @@ per vring and said (``vring dump --ctl`` notes, the tap's exit line):
 * ``lapped``: split entries the ring overwrote before the tap looked (the index moved more than the ring
   size between two looks; a lower bound: an index that moves by 65536 or more looks unmoved);
 * ``lost``: buffers whose publication or completion the tap did not see in order (packed: the tap's
-  cursors no longer match the ring; it starts again from the driver's published position, and the buffers
-  in flight then are not captured);
-* ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame;
+  cursors no longer match the ring, or a slot it follows was made available again, a lap on; it starts
+  again from the driver's published position, and the buffers in flight then are not captured); and a
+  mergeable Rx frame the tap came into in the middle (it cannot tell where frames begin after starting
+  again behind buffers in flight, or after missing a buffer: it waits for one used short of its length,
+  which ends a frame, NET-30);
+* ``unreadable``: a buffer whose descriptors or bytes lie outside the memory table, a runt frame, a
+  mergeable frame whose buffers do not match its num_buffers (NET-29/30) or with a buffer missing;
 * ``not_seen_published``: a used entry for a buffer the tap never saw published.
 
 A peer that reuses a buffer faster than the tap reads it can change the bytes under the tap: the frames
@@ -37,7 +41,6 @@ from rings.snapshot import infer_published_packed
 
 _DESC = struct.Struct("<QIHH")
 _U16 = struct.Struct("<H")
-_ELEM = struct.Struct("<II")
 MAX_FRAME = 65536 + 64
 
 
@@ -62,7 +65,8 @@ class _Ring:
         self.in_order = has(features, VIRTIO_F_IN_ORDER)
         self.hdr = virtio_net_hdr_size(features)
         self.mrg = rx and has(features, VIRTIO_NET_F_MRG_RXBUF)
-        self.pending = None          # Rx, mergeable: [frame bytes so far, buffers still to come]
+        self.pending = None          # Rx, mergeable: [frame bytes so far (None: a buffer missed), buffers to come]
+        self.aligned = True          # Rx, mergeable: the next used buffer begins a frame (False: not known)
         self.stats = dict.fromkeys(STAT_KEYS, 0)
 
     def u16(self, view, off):
@@ -78,36 +82,67 @@ class _Ring:
     def buffer(self, segs, length, when, out):
         """One used buffer: segments [(addr, len, write)] and the used length (Rx); writes a frame when one
         is complete."""
+        if self.mrg:
+            # NET-30: every buffer of a frame but the last is used to its full length, so one used shorter ends
+            # a frame; where the tap does not know where frames begin, it waits for one
+            last = length < sum(seg_len for _, seg_len, write in segs if write)
+            if not self.aligned:
+                if last:
+                    self.aligned = True
+                    self.stats["lost"] += 1  # the frame the tap came into in the middle
+                return
         try:
-            if self.rx:
-                data, left = bytearray(), length
-                for addr, seg_len, write in segs:
-                    if write and left > 0:
-                        take = min(seg_len, left, MAX_FRAME - len(data))
-                        data += self.buf_mem.read(addr, take)
-                        left -= take
-            else:
-                data = b"".join(self.buf_mem.read(addr, min(seg_len, MAX_FRAME)) for addr, seg_len, write in segs
-                                if not write)
+            # at most MAX_FRAME bytes a frame, whatever the segments say (a peer's chain of many long ones)
+            room = MAX_FRAME
+            if self.pending is not None:  # what the frame so far leaves (none: a buffer of it was missed)
+                room = MAX_FRAME - len(self.pending[0]) if self.pending[0] is not None else 0
+            data, left = bytearray(), min(length, room) if self.rx else room
+            for addr, seg_len, write in segs:
+                if write == self.rx and left > 0:
+                    take = min(seg_len, left)
+                    data += self.buf_mem.read(addr, take)
+                    left -= take
         except VringError:
-            self.stats["unreadable"] += 1
-            self.pending = None
+            self.missed(last=self.mrg and last)
             return
         if self.pending is not None:  # a later buffer of a mergeable Rx packet: no header of its own (NET-32)
-            self.pending[0] += data
+            frame = self.pending[0]
+            if frame is not None:
+                frame += data
             self.pending[1] -= 1
-            if self.pending[1] <= 0:
-                frame, self.pending = bytes(self.pending[0]), None
-                self._write(frame, when, out)
+            more = self.pending[1]
+            if more > 0 and not last:
+                return
+            self.pending = None
+            if more > 0:  # used short before num_buffers of them (NET-30): not the frame its header announced
+                self.stats["unreadable"] += 1
+            elif frame is not None:  # (None: a buffer of it was missed, and counted)
+                self._write(bytes(frame), when, out)
             return
         if len(data) < self.hdr:
             self.stats["unreadable"] += 1
             return
         more = _U16.unpack_from(data, 10)[0] - 1 if self.mrg and self.hdr >= 12 else 0
-        if 0 < more < 256:
+        if more > 0:  # NET-29: num_buffers buffers, all in the ring together (NET-31)
+            if last or more >= self.n:  # used short yet more to come (NET-30), or more than the ring holds
+                self.stats["unreadable"] += 1
+                self.aligned = last
+                return
             self.pending = [bytearray(data[self.hdr:]), more]
             return
         self._write(bytes(data[self.hdr:]), when, out)
+
+    def missed(self, why="unreadable", last=False):
+        """A used buffer whose bytes the tap cannot have (unreadable, or never seen made available), counted under
+        ``why``. ``last``: its used length shows that it ends a frame (NET-30)."""
+        self.stats[why] += 1
+        if self.pending is not None:  # a later buffer of a mergeable frame: that frame cannot be whole
+            self.pending[0] = None
+            self.pending[1] -= 1
+            if self.pending[1] <= 0 or last:
+                self.pending = None
+        elif self.mrg and not last:  # it may begin a frame whose other buffers come next
+            self.aligned = False
 
     def _write(self, frame, when, out):
         if len(frame) < 14:
@@ -121,6 +156,7 @@ class SplitObserver(_Ring):
     def __init__(self, *args):
         super().__init__(*args)
         self._avail_ring = struct.Struct(f"<{self.n}H")  # one read of the whole avail ring
+        self._used_ring = struct.Struct(f"<{2 * self.n}I")  # one copy of the whole used ring: (id, len) pairs
         self.resync()
 
     def resync(self):
@@ -130,6 +166,7 @@ class SplitObserver(_Ring):
         self.recs = defaultdict(deque)   # head -> segment lists, oldest first (a head can come back)
         self.fifo = deque()              # IN_ORDER: (head, segments) in avail order
         self.pending = None
+        self.aligned = True              # used.idx moves by whole frames (NET-31)
 
     def _record(self, k):
         """The k buffers published from last_avail on, their chains read now, while they are in flight."""
@@ -177,14 +214,23 @@ class SplitObserver(_Ring):
         # used.idx is for a buffer the avail read below records (the other order takes the buffers published
         # and used between the two reads for buffers never seen published)
         used_idx = self.u16(self.used, 2)
+        m = (used_idx - self.last_used) & 0xFFFF
+        if 0 < m <= n:
+            # the entries copied at once, then used.idx read again: had the device gone round onto the oldest
+            # (position last_used + n written), an (id, len) could be a later buffer's, and the length of one
+            # buffer with the bytes of another makes a frame nobody sent
+            used = self._used_ring.unpack_from(self.used, 4)
+            if (self.u16(self.used, 2) - self.last_used) & 0xFFFF > n:
+                self.stats["lapped"] += m
+                self.resync()
+                return 1  # not idle: look again at once
         avail_idx = self.u16(self.avail, 2)
         k = (avail_idx - self.last_avail) & 0xFFFF
         if k > n:  # the driver published more than a ring's worth since the last look
             self.stats["lost"] += 1
             self.resync()
-            return 1  # not idle: look again at once
+            return 1
         self._record(k)
-        m = (used_idx - self.last_used) & 0xFFFF
         if m == 0:
             return k  # idle (the capture thread sleeps) only when neither index moved
         if m > n:
@@ -195,13 +241,14 @@ class SplitObserver(_Ring):
         pos, left, look = self.last_used, m, 32
         while left:
             look -= 1
-            if not look:  # a long look: has the device gone round onto the entries still to read?
+            if not look:  # a long look: has the device gone round onto the entries still to read? (their
+                # buffers are the driver's again, to be filled with other bytes)
                 look = 32
                 if (self.u16(self.used, 2) - pos) & 0xFFFF >= n:
                     self.stats["lapped"] += left
                     self.resync()
                     return m
-            id, length = _ELEM.unpack_from(self.used, 4 + 8 * (pos % n))
+            id, length = used[2 * (pos % n)], used[2 * (pos % n) + 1]
             if self.in_order:  # one entry for a batch: the buffers up to the one whose head is id (INORDER-06)
                 batch = []
                 while self.fifo and len(batch) < left:
@@ -219,7 +266,7 @@ class SplitObserver(_Ring):
             else:
                 q = self.recs.get(id)
                 if not q:
-                    self.stats["not_seen_published"] += 1
+                    self.missed("not_seen_published")
                 else:
                     self._one(q.popleft(), length, when, out)
                 pos, left = (pos + 1) & 0xFFFF, left - 1
@@ -228,7 +275,7 @@ class SplitObserver(_Ring):
 
     def _one(self, segs, length, when, out):
         if segs is None:
-            self.stats["unreadable"] += 1
+            self.missed()
         else:
             self.buffer(segs, length, when, out)
 
@@ -245,12 +292,21 @@ class PackedObserver(_Ring):
     def resync(self):
         """Start from the driver's published position (read from the AVAIL bits): buffers in flight now are
         not followed; the device's used position meets this one once they are done."""
-        found = infer_published_packed(self._all_flags.unpack_from(self.desc, 0))
+        flags = self._all_flags.unpack_from(self.desc, 0)
+        found = infer_published_packed(flags)
         self.avail_at = self.used_at = found[:2] if isinstance(found, tuple) else None
         self.recs = defaultdict(deque)   # id -> (ndesc, segments)
         self.fifo = deque()              # IN_ORDER: (id, ndesc, segments)
         self.outstanding = 0             # descriptors recorded and not yet seen used
         self.pending = None
+        self.aligned = True
+        if self.mrg and self.avail_at is not None:
+            # the slot before the start still made available, in its lap: the device may begin a frame in the
+            # buffers in flight there and go on into the ones followed from here (NET-31: used together)
+            slot, wrap = self.avail_at
+            prev, lap = (slot - 1, wrap) if slot else (self.n - 1, wrap ^ 1)
+            f = flags[prev]
+            self.aligned = not (bool(f & VIRTQ_DESC_F_AVAIL) == lap and bool(f & VIRTQ_DESC_F_USED) != lap)
 
     def _step(self, at, k):
         slot, wrap = at
@@ -307,7 +363,15 @@ class PackedObserver(_Ring):
             if self.outstanding > self.n:  # the device's used position never came to ours
                 return self._lost(1)
         when, done = None, 0
-        while self.used_at != self.avail_at and self._used(self.used_at):
+        while self.used_at != self.avail_at:
+            f = self.flags(self.used_at[0])
+            if bool(f & VIRTQ_DESC_F_AVAIL) != self.used_at[1]:
+                # the device's next used descriptor goes where the tap saw a list made available in this lap:
+                # the driver made it available again, so the ring went round past the tap (waiting on would take
+                # a used descriptor two laps on for this one)
+                return self._lost(1)
+            if bool(f & VIRTQ_DESC_F_USED) != self.used_at[1]:
+                break
             when = when or time.time_ns()
             _, length, id, _ = _DESC.unpack_from(self.desc, 16 * self.used_at[0])
             if self.in_order:  # the buffers up to the one with this id (INORDER-11..14)
@@ -327,7 +391,7 @@ class PackedObserver(_Ring):
             for k, (_, _, segs) in enumerate(batch):
                 full = sum(s[1] for s in segs or () if s[2])
                 if segs is None:
-                    self.stats["unreadable"] += 1
+                    self.missed()
                 else:
                     self.buffer(segs, length if k == len(batch) - 1 else full, when, out)
             self.used_at = self._step(self.used_at, sum(b[1] for b in batch))

@@ -659,6 +659,22 @@ def test_cli_ctl_and_watch(make_q, sock_path, capsys):
         cli.main(["dump", "--ctl", sock_path])
 
 
+
+def test_cli_ctl_backend_with_no_frontend_says_its_queues_have_no_ring(sock_path):
+    """`vring dump --ctl` (every queue) on `vring vhost --ctl` before a frontend started its vrings: 4718d1c made
+    `dump --ctl SOCK rx` say "has no ring now", but every-queue asked `list`, which skips those, and said "no
+    queues registered" with rx and tx registered. The list reply names them (no_ring) and the dump says so."""
+    server = ctl.ControlServer(sock_path).register("rx", lambda: None).register("tx", lambda: None)
+    with server.start():
+        assert server.handle("list") == {"ok": True, "queues": [], "no_ring": ["rx", "tx"]}
+        with pytest.raises(SystemExit, match=r"no queue at .* has a ring now \(rx, tx registered: no peer "
+                                             r"connected, or its vring not started\)"):
+            cli.main(["dump", "--ctl", sock_path])
+    with ctl.ControlServer(sock_path).start():
+        with pytest.raises(SystemExit, match="no queues registered at"):
+            cli.main(["dump", "--ctl", sock_path])
+
+
 def test_cli_diff(impl, make_q, tmp_path, capsys):
     q = make_q(impl, "packed", 8)
     q.add([2, 1])

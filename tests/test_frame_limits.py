@@ -147,6 +147,37 @@ def test_net_30_macfwd_count_beyond_what_the_rx_ring_holds_is_refused(server, so
     assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0 and res["tx"]["dropped"] == 0, res
 
 
+
+def test_macfwd_count_beyond_what_the_tx_ring_holds_is_refused(server, sock_path):
+    """--tx-hdr chain: 2 descriptors a frame, so a 256-entry Tx ring holds 128 frames. --count 256 passed the Rx
+    check, ran, and the driver dropped 128 at once when they all came back to go out (tx dropped 128, exit 0,
+    --verify quiet: every frame had been seen once). Refused before connecting; 128 forward with none dropped."""
+    rc, out, err = driver(sock_path, "--tx-hdr", "chain", "--count", 256, "--seconds", 1)
+    assert rc == 2 and out == "", (rc, out[-300:], err)
+    assert ("vring driver: ConfigError: 256 frames injected, but the Tx ring holds 128 (256 entries, 2 descriptors "
+            "a 64-byte frame): the driver would drop 128 of them") in err, err
+    assert server.server.connections == 0, "refused before connecting"
+    rc, out, err = driver(sock_path, "--tx-hdr", "chain", "--count", 128, "--verify", "--seconds", 0.5,
+                          "--drain", 0.5)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0 and res["tx"]["dropped"] == 0, res
+    assert res["drained"] == 128, res
+
+
+@pytest.mark.parametrize("indirect, count, refused", [(True, 128, False), (False, 85, False), (False, 86, True)])
+def test_check_injected_counts_tx_descriptors_a_frame(indirect, count, refused):
+    """--buf-size 192: a 64-byte frame in 2 pool buffers, a chain of 3 with its header: one indirect descriptor
+    (the Rx ring's 128 frames fit a 256-entry Tx ring), or 3 ring descriptors without VIRTIO_F_INDIRECT_DESC (85
+    fit)."""
+    cfg = DriverConfig("", mode="macfwd", count=count, buf_size=192, indirect=indirect)
+    if refused:
+        with pytest.raises(ConfigError, match=f"{count} frames injected, but the Tx ring holds 85 .256 entries, 3 "):
+            cfg.check()
+    else:
+        cfg.check()
+
+
 @pytest.mark.parametrize("mrg, count, refused", [(True, 64, False), (True, 65, True), (False, 64, False),
                                                   (False, 65, True)])
 def test_check_injected_counts_rx_buffers_a_frame(mrg, count, refused):

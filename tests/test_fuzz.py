@@ -64,6 +64,20 @@ def test_ring_driver_seeds_reclaim_everything(targets):
             assert rx["bytes"] and rx["packets"] == 2 - rx["merged"] and tx["reclaimed_bufs"] == 3
 
 
+
+def test_ring_driver_rx_header_lands_in_the_buffers_headroom(targets):
+    """The ring_driver target's rx_header op (a device writing a virtio-net header into posted buffer b) wrote at
+    b * 256, the pool's 256-byte buffers; since 776b010 they are pool_stride(256) = 320 apart, so the header went
+    into another buffer (or between two) and the op no longer reached num_buffers. It writes at b's headroom."""
+    from common import Reader
+    h = targets["ring_driver"].TestOneInput(bytes([1, 0]))  # the net harness, split ring of 2, no operation
+    hdr = bytes(range(1, 13))
+    h.header(Reader(bytes([3, 1, len(hdr)]) + hdr))  # buffer 3, a header
+    pool = h.mem.pool
+    at = 3 * pool.stride + pool.headroom - 12
+    assert pool.stride == 320 and bytes(pool.mem[at:at + 12]) == hdr
+
+
 def test_vhost_backend_seeds_forward_a_packet(targets):
     for data in targets["vhost_backend"].seeds():
         st = targets["vhost_backend"].TestOneInput(data).srv.stats()

@@ -1,5 +1,10 @@
 """The frame ledger of a resilient macfwd --verify run (virtio/ledger.py): every copy a restart makes is counted,
 wherever the frame's sequence field lies in its buffers."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -7,6 +12,8 @@ from virtio import packets
 from virtio.ledger import Ledger
 from virtio.net import HEADROOM
 from virtio.pool import BufferPool, pool_stride
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def received(pool, frame, room):
@@ -56,3 +63,34 @@ def test_pool_buffers_are_an_odd_number_of_cache_lines_apart(buf_size):
     assert all(pool.data(b) == bytes([b]) * room for b in bufs)
     with pytest.raises(ValueError):
         BufferPool(bytearray(8 * buf_size - 1), 0x1000, 8, buf_size, HEADROOM)  # too small for 8 at this stride
+
+
+def test_pool_helpers_bound_every_buffer_index_themselves():
+    """vn_macswap, vn_lat_update and vn_check take buffer indices from their caller (Python's received bursts)
+    and addressed pool + index * stride with no bound: an index past the pool wrote or read wherever it
+    pointed (a SIGSEGV here). Each now bounds it against nbufs, as the Rx take and Tx paths do; run in a child
+    so that the old behaviour fails the test instead of killing pytest."""
+    code = textwrap.dedent("""
+        import numpy as np
+        from virtio._net import ffi, lib
+        from virtio import packets
+        from virtio.pool import HEADROOM, BufferPool
+        pool = BufferPool(bytearray(4 * 2112), 0x1000, 4, 2048, HEADROOM)
+        tmpl = packets.template(64, packets.DEFAULT_DST, packets.DEFAULT_SRC)
+        pool.write(1, tmpl)
+        idx = np.array([1, 0xFFFFFFF0, 4], np.uint32)
+        lens = np.full(3, 64, np.uint32)
+        seqs = np.zeros(3, np.uint64)
+        p = lambda a, t: ffi.cast(t, ffi.from_buffer(a))
+        lib.vn_macswap(pool.c, p(idx, "uint32_t *"), 3)
+        bad = lib.vn_check(pool.c, p(idx, "uint32_t *"), p(lens, "uint32_t *"), 3, p(tmpl, "uint8_t *"), 64, 1,
+                           packets.SEQ_OFF, packets.TS_OFF, p(seqs, "uint64_t *"))
+        lat = ffi.new("struct vn_lat *")
+        lat.ts_off = packets.TS_OFF
+        lib.vn_lat_update(lat, pool.c, p(idx, "uint32_t *"), 3)
+        print(bad, lat.bad)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, (r.returncode, r.stderr[-500:])
+    assert r.stdout.split() == ["2", "3"]  # the two out-of-pool indices refused; a zero stamp is bad for lat too

@@ -106,14 +106,15 @@ class DriverConfig:
         # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
         # a macfwd without --count forwards what it receives, whatever its size
         builds = self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0)
+        tx_slots = 1
         if builds:
-            check_tx_frame(frame, features, self.ring_size, self.buf_size, hdr=self.tx_hdr,
-                           force_slow=self.force_slow)
+            _, tx_slots = check_tx_frame(frame, features, self.ring_size, self.buf_size, hdr=self.tx_hdr,
+                                         force_slow=self.force_slow)
         # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
         receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
         warnings = check_rx_frame(frame if receives else None, features, self.buf_size)
         if self.mode == "macfwd" and self.count:
-            check_injected(self.count, frame, features, self.ring_size, self.buf_size)
+            check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots)
         return warnings
 
 

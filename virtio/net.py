@@ -174,11 +174,13 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM):
     return []
 
 
-def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEADROOM):
+def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEADROOM, tx_slots=1):
     """macfwd --count: the frames injected all come back through the Rx ring at once when the device is quicker
-    than the driver, and a device with no Rx buffer for a frame drops it. ConfigError when the ring of ``size``
-    entries cannot hold ``count`` such frames (MRG_RXBUF: ceil((header + frame) / buffer) buffers a frame,
-    NET-30; without it one buffer a frame, check_rx_frame)."""
+    than the driver, and a device with no Rx buffer for a frame drops it; they all go out again through the Tx ring
+    when the driver is the quicker, and the driver drops what finds no room there (after VN_TX_RETRIES reclaims).
+    ConfigError when a ring of ``size`` entries cannot hold ``count`` such frames: Rx, with MRG_RXBUF
+    ceil((header + frame) / buffer) buffers a frame (NET-30), one without (check_rx_frame); Tx, ``tx_slots`` ring
+    descriptors a frame (check_tx_frame: a chained header or more segments than an indirect table holds)."""
     per_frame = 1
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
         per_frame = -(-(frame_len + net_hdr_size(features)) // rx_buffer_len(features, buf_size, headroom))
@@ -188,6 +190,11 @@ def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEA
         raise ConfigError(f"{count} frames injected, but the Rx ring holds {holds} ({size} entries, {how}buffer "
                           f"size {buf_size}): the device would drop {count - holds} of them; inject at most "
                           f"{holds}, or use a larger ring" + (" or buffer size" if per_frame > 1 else ""))
+    holds = size // tx_slots
+    if count > holds:
+        raise ConfigError(f"{count} frames injected, but the Tx ring holds {holds} ({size} entries, {tx_slots} "
+                          f"descriptors a {frame_len}-byte frame): the driver would drop {count - holds} of them "
+                          f"when they are all to go out at once; inject at most {holds}, or use a larger ring")
 
 
 class TxQueue:

@@ -135,8 +135,13 @@ class _CtlSource:
 
     def __init__(self, path, queue):
         self.client = ControlClient(path)
-        self.names = [queue] if queue else [q["name"] for q in self.client.list()]
+        no_ring = []
+        self.names = [queue] if queue else [q["name"] for q in self.client.list(no_ring)]
         if not self.names:
+            self.client.close()
+            if no_ring:  # a backend with no frontend yet: its queues are there, their rings are not
+                raise ValueError(f"no queue at {path} has a ring now ({', '.join(no_ring)} registered: no peer "
+                                 f"connected, or its vring not started)")
             raise ValueError(f"no queues registered at {path}")
 
     def sample(self):

@@ -206,7 +206,8 @@ class NetHarness:
     def header(self, r):
         """The device writes a virtio-net header (num_buffers) or data into a posted Rx buffer."""
         b = r.below(self.nbufs)
-        off = b * 256 + self.mem.pool.headroom - 12 if r.u8() & 1 else b * 256 + r.u8()
+        at = b * self.mem.pool.stride   # buffers are pool_stride(256) apart, not 256
+        off = at + self.mem.pool.headroom - 12 if r.u8() & 1 else at + r.u8()
         self.mem.g.write("pool", off, r.bytes(r.u8() % 16))
 
     def tx_burst(self, r):

@@ -597,7 +597,10 @@ static inline int vn_rx_pending(const struct vn_rxq *r)
 
 static inline void vn_macswap(struct vn_pool *p, const uint32_t *idx, uint32_t n)
 {
+    uint32_t nbufs = p->nbufs;   /* in a local: the byte stores below may alias *p */
     for (uint32_t i = 0; i < n; i++) {
+        if (idx[i] >= nbufs)   /* not a pool buffer: bounded here, whoever passed it (Python too) */
+            continue;
         uint8_t *e = vn_buf(p, idx[i]) + p->data_off[idx[i]], tmp[6];
         memcpy(tmp, e, 6);
         memcpy(e, e + 6, 6);
@@ -633,10 +636,10 @@ static inline void vn_lat_measure(struct vn_lat *l, struct vn_pool *p, const uin
     uint8_t *host = p->host;
     uint64_t *hist = l->hist, bs = p->stride;
     uint64_t count = l->count, sum = l->sum, min = l->min, max = l->max, bad = l->bad;
-    uint32_t ts_off = l->ts_off;
+    uint32_t ts_off = l->ts_off, nbufs = p->nbufs;
     for (uint32_t i = 0; i < n; i++) {
         uint32_t b = idx[i];
-        if (data_len[b] < ts_off + 8) {
+        if (b >= nbufs || data_len[b] < ts_off + 8) {
             bad++;
             continue;
         }
@@ -733,6 +736,10 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
         uint64_t s = 0;
         uint8_t *sb = (uint8_t *)&s;
         while (ok && b != VN_NONE && pos < tlen) {
+            if (b >= p->nbufs) {   /* not a pool buffer (an index passed in, or a corrupt next link) */
+                ok = 0;
+                break;
+            }
             const uint8_t *d = vn_buf(p, b) + p->data_off[b];
             uint32_t l = p->data_len[b];
             for (uint32_t j = 0; j < l && pos < tlen; j++, pos++) {
