@@ -49,6 +49,16 @@ MAX_FRAME = 65536 + 64
 LISTS_PER_LOOK = 64
 
 
+def _writable(segs):
+    """The bytes a buffer offers the device (its writable segments; 0 for an unreadable one)."""
+    return sum(seg_len for _, seg_len, write in segs or () if write)
+
+
+def _is_avail(flags, wrap):
+    """A packed descriptor made available in the lap whose wrap counter is ``wrap`` (PACKED-D-02/03)."""
+    return bool(flags & VIRTQ_DESC_F_AVAIL) == wrap and bool(flags & VIRTQ_DESC_F_USED) != wrap
+
+
 #: the counters of every observer (and of the totals, also when no queue was ever captured)
 STAT_KEYS = ("frames", "lapped", "lost", "unreadable", "not_seen_published")
 
@@ -85,7 +95,7 @@ class _Ring:
         if self.mrg:
             # NET-30: every buffer of a frame but the last is used to its full length, so one used shorter ends
             # a frame; where the tap does not know where frames begin, it waits for one
-            last = length < sum(seg_len for _, seg_len, write in segs if write)
+            last = length < _writable(segs)
             if not self.aligned:
                 if last:
                     self.aligned = True
@@ -261,7 +271,7 @@ class SplitObserver(_Ring):
                     return m
                 for k, (_, segs) in enumerate(batch):
                     last = k == len(batch) - 1
-                    self._one(segs, length if last else sum(s[1] for s in segs or () if s[2]), when, out)
+                    self._one(segs, length if last else _writable(segs), when, out)
                 pos, left = (pos + len(batch)) & 0xFFFF, left - len(batch)
             else:
                 q = self.recs.get(id)
@@ -305,8 +315,7 @@ class PackedObserver(_Ring):
             # buffers in flight there and go on into the ones followed from here (NET-31: used together)
             slot, wrap = self.avail_at
             prev, lap = (slot - 1, wrap) if slot else (self.n - 1, wrap ^ 1)
-            f = flags[prev]
-            self.aligned = not (bool(f & VIRTQ_DESC_F_AVAIL) == lap and bool(f & VIRTQ_DESC_F_USED) != lap)
+            self.aligned = not _is_avail(flags[prev], lap)
 
     def _step(self, at, k):
         slot, wrap = at
@@ -316,8 +325,7 @@ class PackedObserver(_Ring):
         return slot, wrap
 
     def _avail(self, at):
-        f = self.flags(at[0])
-        return bool(f & VIRTQ_DESC_F_AVAIL) == at[1] and bool(f & VIRTQ_DESC_F_USED) != at[1]
+        return _is_avail(self.flags(at[0]), at[1])
 
     def _used(self, at):
         f = self.flags(at[0])
@@ -389,11 +397,10 @@ class PackedObserver(_Ring):
                 ndesc, segs = q.popleft()
                 batch = [(id, ndesc, segs)]
             for k, (_, _, segs) in enumerate(batch):
-                full = sum(s[1] for s in segs or () if s[2])
                 if segs is None:
                     self.missed()
                 else:
-                    self.buffer(segs, length if k == len(batch) - 1 else full, when, out)
+                    self.buffer(segs, length if k == len(batch) - 1 else _writable(segs), when, out)
             self.used_at = self._step(self.used_at, sum(b[1] for b in batch))
             self.outstanding -= sum(b[1] for b in batch)
             done += len(batch)
