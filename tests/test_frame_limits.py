@@ -244,3 +244,18 @@ def test_net_26_macfwd_verify_reposts_rx_before_it_forwards(server, sock_path, f
     res = json.loads(out)
     assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0, res["verify"]
     assert res["rx"]["packets"] > 10, res["rx"]
+
+
+@pytest.mark.parametrize("ring, refused", [(71, False), (70, True)])
+def test_net_30_rxonly_verify_refuses_a_frame_longer_than_the_rx_ring_holds(ring, refused):
+    """rxonly --verify expects --pkt-size frames: with MRG_RXBUF a 9000-byte frame and its header take ceil(9012 /
+    128) = 71 buffers of a 256-byte pool (NET-30; each holds 128 bytes of header and frame), all at once. A ring of
+    70 could never receive one, and the run waited for frames that never came; now it is refused before connecting."""
+    cfg = DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly", verify=True)
+    if refused:
+        with pytest.raises(ConfigError, match="9000-byte frame and its 12-byte header take 71 Rx buffers of 128 "
+                                              "bytes .NET-30., more than the Rx ring's 70 entries"):
+            cfg.check()
+    else:
+        assert cfg.check() == []
+    DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly").check()   # sizes not known

@@ -29,8 +29,8 @@ def swapped(f):
 class Loop:
     """Our driver's queues and our backend's data path over them, in one process (also tests/test_fwd_refill.py)."""
 
-    def __init__(self, features, rx_room=None, size=64, burst=32, **opts):
-        self.nq = NetQueues(features, size=size, nbufs=1024, burst=burst, indirect_max=min(size, 8))
+    def __init__(self, features, rx_room=None, size=64, burst=32, buf_size=2048, **opts):
+        self.nq = NetQueues(features, size=size, nbufs=1024, burst=burst, indirect_max=min(size, 8), buf_size=buf_size)
         if rx_room is not None:   # the driver posts short Rx buffers: a frame needs several (mergeable)
             self.nq.rx.c.post_len = self.nq.hdr_size + rx_room
         self.nq.rx.fill()

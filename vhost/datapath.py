@@ -26,6 +26,7 @@ FWD_MODES = {"macswap": 0, "io": 1, "rxonly": 2}
 USED_BATCH = ("per-burst", "per-buffer")
 IDLE_MODES = ("poll", "sleep")
 MAX_RETRIES = 8
+MAX_FRAME = 65535   # the longest frame forwarded (without GSO, a driver sends at most 1514): longer ones are dropped
 STATS_FIELDS = tuple(name for name, _ in ffi.typeof("struct vh_stats").fields)
 
 #: Per-queue counters (vring 0 = the driver's Rx queue, vring 1 = its Tx queue) and the intermediate queue's.
@@ -48,7 +49,7 @@ class Options:
     txq_threshold: int = 32
     txq_flush: str = "rx-batch"       # 'rx-batch' | 'timer:US' | 'threshold'
     fwd: str = "macswap"              # 'macswap' | 'io' | 'rxonly'
-    pkt_size: int = 2048              # bytes per backend packet buffer (larger packets are dropped)
+    pkt_size: int = 2048              # bytes a frame takes in the intermediate queue (longer ones take more)
     timing: bool = False              # count busy_ns: the time of iterations that moved packets
     pcap: object = field(default=None, compare=False, repr=False)  # rings.pcap.PcapWriter: capture per burst
     idle: str = "poll"                # 'poll' | 'sleep' (block on the kick eventfd after idle_polls empty polls)
@@ -109,6 +110,13 @@ def _cast_dev(q):
     return ffi.cast("struct vq_device *", int(rings_ffi.cast("uintptr_t", q.c)))
 
 
+def stage_stride(pkt_size):
+    """What one frame takes in the intermediate queue: pkt_size rounded up to an odd number of 64-byte lines, so the
+    frames' first lines do not all fall into the same few cache sets (as 2048 apart they would)."""
+    lines = -(-pkt_size // 64)
+    return 64 * (lines if lines & 1 else lines + 1)
+
+
 def _ptr(ctype, arr):
     return ffi.cast(ctype, ffi.from_buffer(arr))
 
@@ -166,15 +174,19 @@ class Datapath:
         n.timing = options.timing
         n.crash_after = options.crash_after
         cap = options.txq_threshold + options.burst
-        self._pkt_data = np.zeros(cap * options.pkt_size, np.uint8)
+        n.pkt_size, n.pkt_max, n.pkt_cap = stage_stride(options.pkt_size), max(MAX_FRAME, options.pkt_size), cap
+        self._pkt_data = np.zeros(cap * n.pkt_size, np.uint8)
+        # frames longer than a slot: room for cap of the longest, mapped lazily (np.zeros), so only what such frames
+        # touch is ever resident
+        self._pkt_long = np.zeros(cap * (-(-n.pkt_max // 64) * 64), np.uint8)
         self._pkt_len = np.zeros(cap, np.uint32)
         self._pkt_src = ffi.new("const uint8_t *[]", cap)
         n.pkt_data = _ptr("uint8_t *", self._pkt_data)
+        n.pkt_long, n.long_size = _ptr("uint8_t *", self._pkt_long), self._pkt_long.nbytes
         n.pkt_len = _ptr("uint32_t *", self._pkt_len)
         n.pkt_src = self._pkt_src
-        n.direct = options.direct
+        n.direct = options.direct and options.pcap is None   # see _run_captured
         n.idle_polls = options.idle_polls if options.idle == "sleep" else 0
-        n.pkt_size, n.pkt_cap = options.pkt_size, cap
         scratch = max(max(sizes), options.burst)
         self._ids = np.zeros(scratch, np.uint32)
         self._lens = np.zeros(scratch, np.uint32)
@@ -203,22 +215,24 @@ class Datapath:
         (so while capturing the intermediate queue drains after every burst). Each frame is written as the
         driver sent it (with macswap, the swap is undone on the copy) and, unless the Rx queue had no room for
         it, as the driver receives it."""
-        n, size, w = self.n, self.options.pkt_size, self.options.pcap
+        n, w = self.n, self.options.pcap
+        swap = self.options.fwd == "macswap"
         end = time.monotonic() + budget_us / 1e6
         while not n.broken and not w.full:
             first = int(n.npkts)
             got = lib.vh_dequeue_guarded(n)
             if n.guest_fault:
                 break
-            frames = [bytes(self._pkt_data[i * size:i * size + int(self._pkt_len[i])])
-                      for i in range(first, int(n.npkts))]
+            # every frame is in the backend's own copy (pkt_data or pkt_long; no direct path while capturing: Python
+            # never reads guest memory, which a frontend may truncate under it), its MACs already swapped
+            out = [bytes(ffi.buffer(n.pkt_src[i], int(self._pkt_len[i]))) for i in range(first, int(n.npkts))]
             now, dropped = time.time_ns(), int(n.st.rx_dropped)
-            for f in frames:
-                w.write(f[6:12] + f[:6] + f[12:] if self.options.fwd == "macswap" and len(f) >= 12 else f, now)
+            for f in out:
+                w.write(f[6:12] + f[:6] + f[12:] if swap and len(f) >= 12 else f, now)
             lib.vh_txq_flush_guarded(n)
             if n.guest_fault:
                 break
-            for f in frames[:len(frames) - (int(n.st.rx_dropped) - dropped)]:  # the Rx queue drops the tail
+            for f in out[:len(out) - (int(n.st.rx_dropped) - dropped)]:  # the Rx queue drops the tail
                 w.write(f, now)
             if got <= 0 or time.monotonic() >= end:
                 break
@@ -228,7 +242,7 @@ class Datapath:
         """The C data path caught SIGBUS: the frontend's memory shrank under a ring. Both queues are taken out of
         the loop (what the interrupted burst did is half done: nothing of theirs is touched again)."""
         self.n.rxq = self.n.txq = ffi.NULL
-        self.n.npkts = 0
+        self.n.npkts = self.n.long_fill = 0
         return GuestMemoryFault("the frontend's memory shrank under the rings (SIGBUS in the data path): it "
                                 "truncated a region's file after SET_MEM_TABLE", side="device")
 

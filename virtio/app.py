@@ -112,7 +112,7 @@ class DriverConfig:
                                          force_slow=self.force_slow)
         # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
         receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
-        warnings = check_rx_frame(frame if receives else None, features, self.buf_size)
+        warnings = check_rx_frame(frame if receives else None, features, self.buf_size, ring_size=self.ring_size)
         if self.mode == "macfwd" and self.count:
             check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots)
         return warnings

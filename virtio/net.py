@@ -156,13 +156,19 @@ def rx_buffer_len(features, buf_size=2048, headroom=HEADROOM):
     return buf_size - headroom + net_hdr_size(features)
 
 
-def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM):
+def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_size=None):
     """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
-    fit: ConfigError, with the reason, when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit.
-    Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole)."""
-    if has(features, VIRTIO_NET_F_MRG_RXBUF):
-        return []
+    fit; with it, into as many as it needs (NET-30), all of them available at once: ConfigError, with the reason,
+    when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit one buffer, or an Rx ring of ``ring_size``
+    entries. Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole)."""
     post, hs = rx_buffer_len(features, buf_size, headroom), net_hdr_size(features)
+    if has(features, VIRTIO_NET_F_MRG_RXBUF):
+        need = -(-(frame_len + hs) // post) if frame_len is not None else 0
+        if ring_size is not None and need > ring_size:
+            raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} "
+                              f"bytes (NET-30), more than the Rx ring's {ring_size} entries: the device could never "
+                              f"deliver one; use a ring size of at least {need} or a larger buffer size")
+        return []
     if frame_len is not None and frame_len + hs > post:
         raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx buffer, "
                           f"and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame (NET-27): every "

@@ -35,7 +35,8 @@ def register(sub):
     p.add_argument("--fwd", choices=("macswap", "io", "rxonly"), default="macswap")
     p.add_argument("--burst", type=int, default=32, help="dequeue burst (default 32)")
     p.add_argument("--pkt-size", type=int, default=2048,
-                   help="bytes per backend packet buffer; larger packets are dropped and counted")
+                   help="bytes a frame takes in the intermediate queue (default 2048); longer frames, up to 65535 "
+                        "bytes, take the room they need, longer ones are dropped and counted")
     p.add_argument("--stats-interval", type=float, default=0.0, metavar="S",
                    help="print counters every S seconds (default: only at exit)")
     p.add_argument("--json", action="store_true", help="counters as JSON lines")
@@ -56,7 +57,8 @@ def register(sub):
                         "window a restarting frontend must handle (default 0: never)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
     p.add_argument("--pcap", metavar="FILE", help="write the frames taken off and put on the rings (pcap; "
-                   "captured one burst at a time, which drains the intermediate queue after every burst)")
+                   "captured one burst at a time, which drains the intermediate queue after every burst; every frame "
+                   "is copied into it, --txq-flush none too)")
     p.add_argument("--pcap-count", type=int, default=10000, metavar="N",
                    help="with --pcap: stop capturing after N frames (default %(default)s; 0: no limit)")
     snapshot_options.add(p)

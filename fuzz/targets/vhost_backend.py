@@ -85,7 +85,7 @@ class Backend:
         opts = Options(burst=(1, 4, 32, 64)[cfg & 3], retries=cfg >> 2 & 3,
                        used_batch=("per-burst", "per-buffer")[cfg >> 4 & 1], in_order_batch=bool(cfg >> 5 & 1),
                        fwd=("macswap", "io", "rxonly", "macswap")[cfg >> 6], txq_threshold=(1, 8, 32, 64)[r.u8() & 3],
-                       pkt_size=(64, 256, 2048)[r.u8() % 3])
+                       **self.staging(r.u8()))
         self.srv = Server("/nonexistent/vring-fuzz.sock", opts, budget_us=30, handshake_timeout=3600)
         self.a, self.b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.srv.attach(vu.Connection(self.a))
@@ -94,6 +94,12 @@ class Backend:
         os.ftruncate(self.memfd, REGION + 0x2000)
         self.mm = mmap.mmap(self.memfd, REGION + 0x2000)
         self.fds = []   # eventfds and memfd duplicates the harness made (closed at the end)
+
+    @staticmethod
+    def staging(k):
+        """The intermediate queue: slot size (frames longer than a slot go to the long-frame area) and flush."""
+        return {"pkt_size": (64, 256, 2048)[k % 3],
+                "txq_flush": ("rx-batch", "none", "threshold", "timer:0")[k >> 2 & 3]}
 
     def eventfd(self):
         fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)

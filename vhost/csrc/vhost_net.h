@@ -97,6 +97,19 @@ static inline void vh_copy(uint8_t *dst, const uint8_t *src, uint32_t len)
     }
 }
 
+/* Room in the long-frame area for a frame longer than a slot, or NULL. It holds pkt_cap frames of pkt_max bytes
+ * (each rounded up to 64) and only queued frames take room in it, so it does not run out; the check is the C's own. */
+static inline uint8_t *vh_long_slot(struct vh_net *n, uint32_t plen, uint32_t queued)
+{
+    uint64_t need = (plen + 63u) & ~63u;
+    if (n->long_fill + need > n->long_size)
+        return 0;
+    uint8_t *p = n->pkt_long + n->long_fill;
+    if (queued)   /* rxonly: the frame is dropped, its copy overwritten by the next */
+        n->long_fill += need;
+    return p;
+}
+
 /* One dequeue burst into the intermediate queue; the used entries wait in the shadow (vh_tx_complete).
  * Returns chains taken, or -1 (Tx queue broke). */
 static inline int vh_dequeue_burst(struct vh_net *n)
@@ -117,8 +130,9 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     if (got == 0)
         return 0;
     /* locals: every copy into pkt_data may alias any field read through n or c */
-    uint32_t hdr = n->hdr_len, size = n->pkt_size, fwd = n->fwd, per_buffer = n->per_buffer, pk = n->npkts;
-    uint32_t direct = n->direct && !per_buffer;   /* per buffer: a chain is completed before the enqueue */
+    uint32_t hdr = n->hdr_len, size = n->pkt_size, max_frame = n->pkt_max, fwd = n->fwd, pk = n->npkts;
+    uint32_t per_buffer = n->per_buffer, direct = n->direct && !per_buffer;   /* per buffer: a chain is completed
+                                                                                 before the enqueue */
     const uint16_t *cid = c->id, *nseg = c->nseg;
     const uint32_t *rlens = c->rlen, *start = c->seg_start;
     uint8_t *const *host = c->seg_host;
@@ -136,30 +150,36 @@ static inline int vh_dequeue_burst(struct vh_net *n)
             vh_prefetch2(host[start[k + VH_PREFETCH]], 0);
         ids[k] = cid[k];
         lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
-        if (rlen <= hdr) {
-            runt++;
-        } else if (rlen - hdr > size) {
-            oversize++;
-        } else {
-            uint32_t plen = rlen - hdr;
-            uint8_t *dst = data + (uint64_t)pk * size;
-            if (direct && nseg[k] == 1) {   /* read by the enqueue, MACs swapped in the Rx buffer */
-                src[pk] = host[start[k]] + hdr;
-            } else {
-                if (nseg[k] == 1)
-                    vh_copy(dst, host[start[k]] + hdr, plen);
-                else
-                    vh_copy_out(c, k, hdr, dst);
-                if (fwd == VH_FWD_MACSWAP && plen >= 12)
-                    vh_macswap(dst);
-                src[pk] = dst;
+        uint32_t plen = rlen - hdr;   /* wraps round when rlen <= hdr */
+        uint8_t *dst = data + (uint64_t)pk * size;
+        if (__builtin_expect(plen - 1u >= size, 0)) {   /* a runt, or a frame longer than a slot */
+            if (rlen <= hdr) {
+                runt++;
+                goto complete;
             }
-            pkt_len[pk] = plen;
-            bytes += plen;
-            moved++;
-            if (fwd != VH_FWD_RXONLY)
-                pk++;
+            /* copied, never left in the Tx buffer */
+            if (plen > max_frame || !(dst = vh_long_slot(n, plen, fwd != VH_FWD_RXONLY))) {
+                oversize++;
+                goto complete;
+            }
+        } else if (direct && nseg[k] == 1) {   /* read by the enqueue, MACs swapped in the Rx buffer */
+            src[pk] = host[start[k]] + hdr;
+            goto queued;
         }
+        if (nseg[k] == 1)
+            vh_copy(dst, host[start[k]] + hdr, plen);
+        else
+            vh_copy_out(c, k, hdr, dst);
+        if (fwd == VH_FWD_MACSWAP && plen >= 12)
+            vh_macswap(dst);
+        src[pk] = dst;
+    queued:
+        pkt_len[pk] = plen;
+        bytes += plen;
+        moved++;
+        if (fwd != VH_FWD_RXONLY)
+            pk++;
+    complete:
         if (per_buffer) {
             vq_dev_push_used(q, &ids[k], &lens[k], 1);
             vhi_flush(q, n->tx_inf);
@@ -193,14 +213,6 @@ static inline void vh_tx_complete(struct vh_net *n)
         return;
     vhi_flush(n->txq, n->tx_inf);
     vh_notify(n->txq, n->tx_callfd, &n->st.tx_calls);
-}
-
-/* One dequeue burst, completed at once (tests and tools). */
-static inline int vh_dequeue(struct vh_net *n)
-{
-    int got = vh_dequeue_burst(n);
-    vh_tx_complete(n);
-    return got;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -362,7 +374,7 @@ static inline uint32_t vh_enqueue_simple(struct vh_net *n, uint32_t first, uint3
         const uint8_t *p = src[i];
         vh_hdr_put(dst, hdr, 1);
         vh_copy(dst + hdr, p, plen);
-        if (swap && plen >= 12 && p != data + (uint64_t)i * size)   /* direct: still the driver's frame */
+        if (swap && plen >= 12 && plen <= size && p != data + (uint64_t)i * size)   /* direct: the driver's frame */
             vh_macswap(dst + hdr);
         ids[m] = cid[k];
         lens[m] = total;
@@ -383,12 +395,12 @@ static inline const uint8_t *vh_staged(struct vh_net *n, uint32_t i)
 {
     uint8_t *slot = n->pkt_data + (uint64_t)i * n->pkt_size;
     const uint8_t *p = n->pkt_src[i];
-    if (p != slot) {
-        vh_copy(slot, p, n->pkt_len[i]);
-        if (n->fwd == VH_FWD_MACSWAP && n->pkt_len[i] >= 12)
-            vh_macswap(slot);
-        n->pkt_src[i] = slot;
-    }
+    if (n->pkt_len[i] > n->pkt_size || p == slot)   /* a longer frame was staged at its dequeue */
+        return p;
+    vh_copy(slot, p, n->pkt_len[i]);
+    if (n->fwd == VH_FWD_MACSWAP && n->pkt_len[i] >= 12)
+        vh_macswap(slot);
+    n->pkt_src[i] = slot;
     return slot;
 }
 
@@ -510,6 +522,7 @@ static inline int vh_txq_flush(struct vh_net *n)
     if (left == 0)
         return 0;
     n->npkts = 0;
+    n->long_fill = 0;   /* every frame below is delivered or dropped before the next dequeue reuses the area */
     if (!n->rxq) {
         n->st.rx_dropped += left;
         return 0;
@@ -636,15 +649,23 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
     VH_GUARDED(vh_run_slice(n, max_iters, budget_ns));
 }
 
-/* --pcap: one dequeue burst, then one flush, each called from Python */
+/* --pcap: one dequeue burst, Python reads its frames, then one flush and the Tx completions (after the enqueue,
+ * as vh_run_slice does with inflight tracking) */
 static int vh_dequeue_guarded(struct vh_net *n)
 {
-    VH_GUARDED(vh_dequeue(n));
+    VH_GUARDED(vh_dequeue_burst(n));
+}
+
+static inline int vh_flush_complete(struct vh_net *n)
+{
+    int r = vh_txq_flush(n);
+    vh_tx_complete(n);
+    return r;
 }
 
 static int vh_txq_flush_guarded(struct vh_net *n)
 {
-    VH_GUARDED(vh_txq_flush(n));
+    VH_GUARDED(vh_flush_complete(n));
 }
 
 /* Drop whatever waits in the intermediate queue (when the device stops). */
@@ -653,6 +674,7 @@ static inline uint32_t vh_discard(struct vh_net *n)
     uint32_t k = n->npkts;
     n->st.rx_dropped += k;
     n->npkts = 0;
+    n->long_fill = 0;
     return k;
 }
 

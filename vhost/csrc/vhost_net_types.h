@@ -100,12 +100,16 @@ struct vh_net {
     uint32_t hdr_len, mrg_rxbuf;
     uint32_t burst, retries, per_buffer, fwd, threshold, flush_mode;
     uint64_t timer_ns;
-    uint8_t *pkt_data;                   /* pkt_cap buffers of pkt_size bytes: the intermediate Tx queue */
+    uint8_t *pkt_data;                   /* the intermediate Tx queue: pkt_cap slots of pkt_size bytes */
+    uint8_t *pkt_long;                   /* its frames longer than a slot: long_size bytes, long_fill in use */
+    uint64_t long_size, long_fill;
     uint32_t *pkt_len;
-    const uint8_t **pkt_src;             /* where each queued frame is: its pkt_data slot, or (direct) the
-                                            driver's Tx buffer, read before that chain is completed */
+    const uint8_t **pkt_src;             /* where each queued frame is: its pkt_data slot, its place in pkt_long,
+                                            or (direct) the driver's Tx buffer, read before that chain is completed */
     uint32_t direct;                     /* --txq-flush none: no staging copy for one-segment frames */
-    uint32_t pkt_size, pkt_cap, npkts;
+    uint32_t pkt_size;                   /* a slot (odd 64-byte lines: no cache-set aliasing between slots) */
+    uint32_t pkt_max;                    /* the longest frame taken; longer ones are dropped (tx_oversize) */
+    uint32_t pkt_cap, npkts;
     uint64_t first_ns;                   /* when the oldest packet in the intermediate queue arrived */
     uint32_t *ids, *lens;                /* scratch for push_used (queue size entries) */
     uint32_t tx_unflushed;               /* Tx completions pushed, not yet published */
