@@ -164,3 +164,24 @@ def test_vhost_pcap_writes_each_frame_as_sent_and_as_received(variant, flush, tm
         assert [buf for _, buf in pcap_frames(tmp_path / "b.pcap")] == sent + [swapped(f) for f in sent]
     finally:
         lp.close()
+
+
+@pytest.mark.parametrize("flush", ["rx-batch", "none"])
+def test_net_27_pcap_writes_a_frame_no_rx_buffer_holds_as_sent_only(variant, flush, tmp_path):
+    """Without MRG_RXBUF a frame longer than one Rx buffer is consumed and counted (rx_too_big), never delivered
+    (NET-27). --pcap wrote it as received too, and went on writing the frames after it (it only knew of the dropped
+    tail): the capture showed a frame the driver never got."""
+    w = PcapWriter(tmp_path / "b.pcap", None)
+    lp = Loop(variant, size=64, txq_flush=flush, pcap=w)
+    try:
+        sent = [frame(1, 60), frame(2, 3956), frame(3, 100), frame(4, 2000), frame(5, 70)]
+        send(lp, sent)
+        run(lp, 1)
+        delivered = [swapped(sent[k]) for k in (0, 2, 4)]
+        assert receive(lp) == delivered
+        st = lp.dp.stats()
+        assert st["rx_too_big"] == 2 and st["rx_packets"] == 3 and st["tx_packets"] == 5
+        w.close()
+        assert [buf for _, buf in pcap_frames(tmp_path / "b.pcap")] == sent + delivered
+    finally:
+        lp.close()

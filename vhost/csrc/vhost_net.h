@@ -440,6 +440,7 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         if (!n->mrg_rxbuf) {
             if (c->wlen[k] < total) {   /* NET-27: one buffer per packet; this one is too small */
                 n->st.rx_too_big++;
+                n->pkt_len[i] = 0;       /* consumed, not delivered (--pcap does not write it as received) */
                 continue;                /* the buffer stays for the next packet */
             }
             vh_put_hdr(n, c, k, 1);
