@@ -185,3 +185,23 @@ def test_net_27_pcap_writes_a_frame_no_rx_buffer_holds_as_sent_only(variant, flu
         assert [buf for _, buf in pcap_frames(tmp_path / "b.pcap")] == sent + delivered
     finally:
         lp.close()
+
+
+@pytest.mark.parametrize("pkt_size", [65473, 65536])
+def test_no_frame_over_max_frame_is_taken_whatever_the_slot(variant, pkt_size):
+    """--pkt-size over 65472 makes a slot of 65600 bytes (an odd number of lines): frames up to that fitted a slot
+    and were forwarded, though the limit is MAX_FRAME (README, --help, Options). Only MAX_FRAME bytes are taken."""
+    lp = Loop(variant | MRG, size=128, pkt_size=pkt_size)
+    try:
+        assert stage_stride(pkt_size) == 65600
+        sent = [frame(1, MAX_FRAME), frame(2, MAX_FRAME + 1), frame(3, 65600), frame(4, 60)]
+        send(lp, sent[:2])
+        run(lp)
+        got = receive(lp)
+        send(lp, sent[2:])
+        run(lp)
+        assert got + receive(lp) == [swapped(sent[0]), swapped(sent[3])]
+        st = lp.dp.stats()
+        assert st["tx_oversize"] == 2 and st["tx_packets"] == st["rx_packets"] == 2
+    finally:
+        lp.close()

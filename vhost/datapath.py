@@ -174,7 +174,7 @@ class Datapath:
         n.timing = options.timing
         n.crash_after = options.crash_after
         cap = options.txq_threshold + options.burst
-        n.pkt_size, n.pkt_max, n.pkt_cap = stage_stride(options.pkt_size), max(MAX_FRAME, options.pkt_size), cap
+        n.pkt_size, n.pkt_max, n.pkt_cap = stage_stride(options.pkt_size), MAX_FRAME, cap
         self._pkt_data = np.zeros(cap * n.pkt_size, np.uint8)
         # frames longer than a slot: room for cap of the longest, mapped lazily (np.zeros), so only what such frames
         # touch is ever resident

@@ -131,6 +131,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         return 0;
     /* locals: every copy into pkt_data may alias any field read through n or c */
     uint32_t hdr = n->hdr_len, size = n->pkt_size, max_frame = n->pkt_max, fwd = n->fwd, pk = n->npkts;
+    uint32_t fit = size < max_frame ? size : max_frame;   /* a slot may be longer than the longest frame taken */
     uint32_t per_buffer = n->per_buffer, direct = n->direct && !per_buffer;   /* per buffer: a chain is completed
                                                                                  before the enqueue */
     const uint16_t *cid = c->id, *nseg = c->nseg;
@@ -152,7 +153,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         lens[k] = 0;   /* NET-21: nothing written into a Tx buffer */
         uint32_t plen = rlen - hdr;   /* wraps round when rlen <= hdr */
         uint8_t *dst = data + (uint64_t)pk * size;
-        if (__builtin_expect(plen - 1u >= size, 0)) {   /* a runt, or a frame longer than a slot */
+        if (__builtin_expect(plen - 1u >= fit, 0)) {   /* a runt, or a frame longer than a slot (or MAX_FRAME) */
             if (rlen <= hdr) {
                 runt++;
                 goto complete;
