@@ -246,16 +246,36 @@ def test_net_26_macfwd_verify_reposts_rx_before_it_forwards(server, sock_path, f
     assert res["rx"]["packets"] > 10, res["rx"]
 
 
-@pytest.mark.parametrize("ring, refused", [(71, False), (70, True)])
+@pytest.mark.parametrize("ring, refused", [(72, False), (71, False), (70, True)])
 def test_net_30_rxonly_verify_refuses_a_frame_longer_than_the_rx_ring_holds(ring, refused):
     """rxonly --verify expects --pkt-size frames: with MRG_RXBUF a 9000-byte frame and its header take ceil(9012 /
     128) = 71 buffers of a 256-byte pool (NET-30; each holds 128 bytes of header and frame), all at once. A ring of
-    70 could never receive one, and the run waited for frames that never came; now it is refused before connecting."""
+    70 could never receive one, and the run waited for frames that never came; now it is refused before connecting.
+    A ring of exactly 71 is one DPDK's net_vhost cannot fill (see below): a warning."""
     cfg = DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly", verify=True)
     if refused:
         with pytest.raises(ConfigError, match="9000-byte frame and its 12-byte header take 71 Rx buffers of 128 "
                                               "bytes .NET-30., more than the Rx ring's 70 entries"):
             cfg.check()
     else:
-        assert cfg.check() == []
+        assert (cfg.check() == []) == (ring == 72)
     DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly").check()   # sizes not known
+
+
+@pytest.mark.parametrize("ring, frame_len, warned", [
+    (16, 2036, True), (32, 2036, False),             # 16 buffers: the ring's size (DPDK reserves at most size - 1)
+    (512, 32756, False), (512, 32884, True),         # 256 / 257 buffers (DPDK: at most 256 descriptors a frame)
+    (1024, 65535, True),
+])
+def test_net_30_a_frame_dpdk_net_vhost_can_never_deliver_is_a_warning(ring, frame_len, warned):
+    """DPDK's vhost (lib/vhost/virtio_net.c, reserve_avail_buf_split/_packed, BUF_VECTOR_MAX) takes at most ring
+    size - 1 mergeable Rx buffers for one frame, and at most 256 descriptors: measured with dpdk-testpmd txonly
+    --txpkts and vring driver --mode rxonly --buf-size 256, a 2036-byte frame (16 buffers) never arrives through a
+    ring of 16 and does through 32; a 32884-byte one (257) never arrives through a ring of 512, a 32756-byte one
+    (256) does. Our device and the kernel's fill the whole ring, so these are warnings, not refusals."""
+    cfgs = [DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=frame_len, mode="rxonly", verify=True)]
+    if ring >= 512:   # our own frames coming back (the Tx chain fits the ring)
+        cfgs.append(DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=frame_len, mode="macfwd", count=1))
+    for cfg in cfgs:
+        warnings = cfg.check()
+        assert bool([w for w in warnings if "DPDK's net_vhost" in w]) == warned, warnings

@@ -101,7 +101,7 @@ class DriverConfig:
 
     def check(self):
         """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
-        returns warnings (spec SHOULDs the configuration does not meet)."""
+        returns warnings (spec SHOULDs the configuration does not meet, and frames DPDK's net_vhost never delivers)."""
         frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
         # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
         # a macfwd without --count forwards what it receives, whatever its size

@@ -149,6 +149,10 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
 #: last ones) Rx buffers SHOULD hold at least 1526 bytes: a 1514-byte frame and its 12-byte header.
 NET_24_RX_MIN = 1526
 
+#: DPDK's vhost takes at most ring size - 1 mergeable Rx buffers for one frame, and 256 descriptors (BUF_VECTOR_MAX)
+#: across them: it never delivers a frame that needs more (it stays in its queue, then is dropped).
+DPDK_RX_DESCS_MAX = 256
+
 
 def rx_buffer_len(features, buf_size=2048, headroom=HEADROOM):
     """The bytes of one posted Rx buffer: the header lands in the headroom, the frame after it."""
@@ -160,7 +164,8 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
     """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
     fit; with it, into as many as it needs (NET-30), all of them available at once: ConfigError, with the reason,
     when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit one buffer, or an Rx ring of ``ring_size``
-    entries. Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole)."""
+    entries. Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole), more
+    buffers a frame than DPDK's net_vhost takes (DPDK_RX_DESCS_MAX, ring size - 1; other devices fill the ring)."""
     post, hs = rx_buffer_len(features, buf_size, headroom), net_hdr_size(features)
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
         need = -(-(frame_len + hs) // post) if frame_len is not None else 0
@@ -168,6 +173,12 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
             raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} "
                               f"bytes (NET-30), more than the Rx ring's {ring_size} entries: the device could never "
                               f"deliver one; use a ring size of at least {need} or a larger buffer size")
+        dpdk = min(DPDK_RX_DESCS_MAX, ring_size - 1 if ring_size is not None else DPDK_RX_DESCS_MAX)
+        if need > dpdk:
+            return [f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} bytes "
+                    f"(NET-30): DPDK's net_vhost takes at most {dpdk} for one frame (ring size - 1, and "
+                    f"{DPDK_RX_DESCS_MAX} descriptors) and would never deliver one; use a larger buffer size"
+                    + (" or ring size" if need <= DPDK_RX_DESCS_MAX else "")]
         return []
     if frame_len is not None and frame_len + hs > post:
         raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx buffer, "
