@@ -13,6 +13,7 @@ import pytest
 
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF,
                           QueueLayout, bit)
+from rings.pcap import PcapWriter
 from rings.shm import MemoryTable, ShmRegion
 from rings.virtq import DeviceQueue, DriverQueue
 from vhost._net import ffi
@@ -106,6 +107,8 @@ def vh_test_hook(ctx, attempt, delivered, left):
     posts = st["posts"]
     if attempt < len(posts):
         st["pair"].post_rx(posts[attempt])
+    if st.get("probe"):
+        st["probe"]()
 
 
 def run_with_hook(pair, initial, posts):
@@ -143,6 +146,24 @@ def test_retry_only_after_progress(pairs, retries, initial, posts, want_attempts
     assert st["rx_dropped"] == 32 - want_delivered          # every packet delivered or counted dropped
     assert len(p.received()) == want_delivered
     assert p.reclaim_tx() == 32
+
+
+@pytest.mark.parametrize("pcap", [False, True], ids=["loop", "pcap"])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_staged_frames_tx_completed_before_the_enqueue(pairs, tmp_path, packed, pcap):
+    """Frames copied out of their Tx buffers have their Tx chains completed before the enqueue (as DPDK's vhost
+    does): a driver that gets a frame back finds its Tx descriptors free (with the Tx ring full, testpmd drops
+    otherwise; 71945e2). --pcap copies every frame too, and completed Tx only after the enqueue."""
+    w = PcapWriter(tmp_path / "c.pcap", None) if pcap else None
+    p = pairs(Options(fwd="io", pcap=w), packed=packed)
+    seen = []
+    _hook_state.clear()
+    _hook_state.update(trace=[], posts=[], pair=p, probe=lambda: seen.append(p.reclaim_tx()))
+    p.dp.set_hook(_lib_hook())
+    p.post_rx(32)
+    p.send(32)
+    p.dp.step()
+    assert seen == [32] and len(p.received()) == 32
 
 
 def test_slow_driver_every_packet_delivered_or_dropped(pairs):

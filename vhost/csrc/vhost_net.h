@@ -216,6 +216,16 @@ static inline void vh_tx_complete(struct vh_net *n)
     vh_notify(n->txq, n->tx_callfd, &n->st.tx_calls);
 }
 
+/* One dequeue burst, its Tx chains completed at once when its frames were copied out (not direct) and no successor
+ * may have to take them again (no inflight tracking); otherwise after the enqueue. */
+static inline int vh_dequeue(struct vh_net *n)
+{
+    int got = vh_dequeue_burst(n);
+    if (!n->direct && !n->tx_inf)
+        vh_tx_complete(n);
+    return got;
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* Enqueue: the driver's Rx queue                                                              */
 /* ------------------------------------------------------------------------------------------- */
@@ -592,9 +602,8 @@ static __attribute__((noinline)) int vh_run_slice(struct vh_net *n, uint32_t max
     n->sleep = 0;
     for (uint32_t it = 0; it < max_iters; it++) {
         uint64_t t0 = n->timing ? vh_now_ns() : 0;
-        int got = vh_dequeue_burst(n);
-        if (!n->direct && !n->tx_inf)   /* with inflight tracking, only once the frames are delivered: a */
-            vh_tx_complete(n);          /* successor resubmits what we took, never what we completed */
+        int got = vh_dequeue(n);   /* with inflight tracking, Tx completed once the frames are delivered: a
+                                      successor resubmits what we took, never what we completed */
         if (n->direct && n->npkts) {   /* no intermediate queue: every burst goes on at once */
             n->st.flush_rx_batch++;
             vh_txq_flush(n);
@@ -651,11 +660,11 @@ static __attribute__((noinline)) int vh_run(struct vh_net *n, uint32_t max_iters
     VH_GUARDED(vh_run_slice(n, max_iters, budget_ns));
 }
 
-/* --pcap: one dequeue burst, Python reads its frames, then one flush and the Tx completions (after the enqueue,
- * as vh_run_slice does with inflight tracking) */
+/* --pcap: one dequeue burst (every frame copied out: never direct), Python reads its frames, then one flush and
+ * the Tx completions still due (inflight tracking), as in vh_run_slice */
 static int vh_dequeue_guarded(struct vh_net *n)
 {
-    VH_GUARDED(vh_dequeue_burst(n));
+    VH_GUARDED(vh_dequeue(n));
 }
 
 static inline int vh_flush_complete(struct vh_net *n)
