@@ -26,7 +26,8 @@ def register(sub):
     p.add_argument("--txq-flush", default="rx-batch", metavar="none|rx-batch|timer:US|threshold",
                    help="drain the rest after every poll (rx-batch, default), after US microseconds "
                         "(timer:US), or when the Tx queue runs dry (threshold); none: no intermediate queue, "
-                        "each one-segment frame up to --pkt-size is copied straight from the Tx buffer into an Rx buffer")
+                        "each one-segment frame up to --pkt-size is copied straight from the Tx buffer into an Rx "
+                        "buffer")
     p.add_argument("--idle", choices=("poll", "sleep"), default="poll",
                    help="poll: busy-poll the Tx queue always (default, like net_vhost); sleep: after --idle-polls "
                         "empty polls enable kicks, re-check the ring, and block on the kick eventfd")
