@@ -268,3 +268,45 @@ def test_get_inflight_fd_only_for_the_queues_the_device_has():
     for fd in got.fds:
         os.close(fd)
     dev.close()
+
+
+@pytest.mark.parametrize("used_batch", ["per-burst", "per-buffer"])
+@pytest.mark.parametrize("flush", ["threshold", "timer:10000000"])
+def test_tracked_tx_chains_completed_only_once_their_frames_are_delivered(variant, flush, used_batch):
+    """With inflight tracking a Tx chain is completed only after its frame reached the Rx ring: a successor takes
+    again what was taken and not completed, so a frame completed while it still waited in the intermediate queue
+    (--txq-flush threshold / timer:US) died with the backend (kill -9). It used to be completed at the end of the
+    poll iteration that took it (--used-batch per-buffer: as soon as it was copied out); now not while frames
+    wait."""
+    from rings.virtq import CMemory, DeviceQueue
+    from vhost.datapath import Datapath, Options
+    from virtio.net import NetQueues
+
+    nq = NetQueues(variant, size=64, nbufs=512)
+    packed = bool(variant & bit(VIRTIO_F_RING_PACKED))
+    fd, size = create_area(2, 64, packed)
+    area = InflightArea(fd, size, 0, 2, 64, packed)
+    try:
+        nq.rx.fill()
+        cmem = CMemory(nq.mem.table)
+        rxq, txq = (DeviceQueue(cmem, lay, variant) for lay in (nq.mem.rx_layout, nq.mem.tx_layout))
+        trk = QueueTracking(area, 1, 64)
+        assert trk.start(txq, nq.mem.table) == 0
+        dp = Datapath(rxq, txq, variant, Options(txq_flush=flush, txq_threshold=64, used_batch=used_batch), tracking=(None, trk))
+        idx = nq.pool.alloc(8).copy()
+        for b in idx:
+            nq.pool.write(b, bytes(60))
+        assert nq.tx.burst(idx, np.full(8, 60, np.uint32)) == 8
+        assert dp.run(max_iters=1) == {} and dp.pending == 8        # taken, waiting in the intermediate queue
+        nq.tx.cleanup()
+        assert nq.tx.inflight == 8                                   # not completed while they wait
+        assert int(trk.c.taken) == 8 and int(trk.c.completed) == 0
+        if flush.startswith("timer"):
+            return                                                   # its 10 s have not passed
+        assert dp.run(max_iters=1) == {}                             # threshold: the Tx ring ran dry, flushed
+        assert dp.pending == 0 and dp.stats()["rx_packets"] == 8
+        nq.tx.cleanup()
+        assert nq.tx.inflight == 0 and int(trk.c.completed) == 8
+    finally:
+        area.close()
+        nq.close()

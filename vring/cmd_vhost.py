@@ -18,7 +18,8 @@ def register(sub):
     p.add_argument("--retries", type=int, default=0, metavar="N",
                    help="Rx enqueue retries 0..8, each only after an attempt that made progress (default 0)")
     p.add_argument("--used-batch", choices=("per-buffer", "per-burst"), default="per-burst",
-                   help="publish used entries after each buffer/packet or once per burst (default)")
+                   help="publish used entries after each buffer/packet or once per burst (default); with inflight "
+                        "tracking Tx chains wait until their frames are delivered")
     p.add_argument("--in-order-batch", action="store_true",
                    help="with IN_ORDER: one used entry per batch on the Tx queue (vring 1), as DPDK writes it")
     p.add_argument("--txq-threshold", type=int, default=32, metavar="N",

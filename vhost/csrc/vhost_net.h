@@ -134,6 +134,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     uint32_t fit = size < max_frame ? size : max_frame;   /* a slot may be longer than the longest frame taken */
     uint32_t per_buffer = n->per_buffer, direct = n->direct && !per_buffer;   /* per buffer: a chain is completed
                                                                                  before the enqueue */
+    uint32_t tracked = n->tx_inf != 0;
     const uint16_t *cid = c->id, *nseg = c->nseg;
     const uint32_t *rlens = c->rlen, *start = c->seg_start;
     uint8_t *const *host = c->seg_host;
@@ -183,7 +184,8 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     complete:
         if (per_buffer) {
             vq_dev_push_used(q, &ids[k], &lens[k], 1);
-            vhi_flush(q, n->tx_inf);
+            if (!tracked)   /* tracked: completed once delivered (vh_run_slice) */
+                vhi_flush(q, 0);
         }
     }
     n->st.tx_packets += moved;
@@ -624,7 +626,8 @@ static __attribute__((noinline)) int vh_run_slice(struct vh_net *n, uint32_t max
                 vh_txq_flush(n);
             }
         }
-        vh_tx_complete(n);
+        if (!n->tx_inf || !n->npkts)   /* tracked: not while frames wait (timer, threshold), or a kill -9 loses */
+            vh_tx_complete(n);         /* them: completed, a successor would not take them again */
         n->st.iterations++;
         if (n->timing && got > 0) {
             n->st.busy_iterations++;
