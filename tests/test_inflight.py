@@ -8,6 +8,8 @@ Also: a death inside a completion (used entries published, inflight flags not ye
 repair; packed: not yet published: the roll-back), a hostile area (Refused-style InflightError), and the
 layout sizes DPDK computes (shared/spec/vhost-user.md 5.1).
 """
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -270,14 +272,9 @@ def test_get_inflight_fd_only_for_the_queues_the_device_has():
     dev.close()
 
 
-@pytest.mark.parametrize("used_batch", ["per-burst", "per-buffer"])
-@pytest.mark.parametrize("flush", ["threshold", "timer:10000000"])
-def test_tracked_tx_chains_completed_only_once_their_frames_are_delivered(variant, flush, used_batch):
-    """With inflight tracking a Tx chain is completed only after its frame reached the Rx ring: a successor takes
-    again what was taken and not completed, so a frame completed while it still waited in the intermediate queue
-    (--txq-flush threshold / timer:US) died with the backend (kill -9). It used to be completed at the end of the
-    poll iteration that took it (--used-batch per-buffer: as soon as it was copied out); now not while frames
-    wait."""
+@contextlib.contextmanager
+def _tracked_tx(variant, **options):
+    """A driver (NetQueues, 64-slot rings, Rx filled) and a Datapath over its rings, the Tx queue tracked."""
     from rings.virtq import CMemory, DeviceQueue
     from vhost.datapath import Datapath, Options
     from virtio.net import NetQueues
@@ -292,11 +289,29 @@ def test_tracked_tx_chains_completed_only_once_their_frames_are_delivered(varian
         rxq, txq = (DeviceQueue(cmem, lay, variant) for lay in (nq.mem.rx_layout, nq.mem.tx_layout))
         trk = QueueTracking(area, 1, 64)
         assert trk.start(txq, nq.mem.table) == 0
-        dp = Datapath(rxq, txq, variant, Options(txq_flush=flush, txq_threshold=64, used_batch=used_batch), tracking=(None, trk))
-        idx = nq.pool.alloc(8).copy()
-        for b in idx:
-            nq.pool.write(b, bytes(60))
-        assert nq.tx.burst(idx, np.full(8, 60, np.uint32)) == 8
+        yield nq, Datapath(rxq, txq, variant, Options(**options), tracking=(None, trk)), trk
+    finally:
+        area.close()
+        nq.close()
+
+
+def _send(nq, count):
+    idx = nq.pool.alloc(count).copy()
+    for b in idx:
+        nq.pool.write(b, bytes(60))
+    assert nq.tx.burst(idx, np.full(count, 60, np.uint32)) == count
+
+
+@pytest.mark.parametrize("used_batch", ["per-burst", "per-buffer"])
+@pytest.mark.parametrize("flush", ["threshold", "timer:10000000"])
+def test_tracked_tx_chains_completed_only_once_their_frames_are_delivered(variant, flush, used_batch):
+    """With inflight tracking a Tx chain is completed only after its frame reached the Rx ring: a successor takes
+    again what was taken and not completed, so a frame completed while it still waited in the intermediate queue
+    (--txq-flush threshold / timer:US) died with the backend (kill -9). It used to be completed at the end of the
+    poll iteration that took it (--used-batch per-buffer: as soon as it was copied out); now not while frames
+    wait."""
+    with _tracked_tx(variant, txq_flush=flush, txq_threshold=64, used_batch=used_batch) as (nq, dp, trk):
+        _send(nq, 8)
         assert dp.run(max_iters=1) == {} and dp.pending == 8        # taken, waiting in the intermediate queue
         nq.tx.cleanup()
         assert nq.tx.inflight == 8                                   # not completed while they wait
@@ -307,6 +322,21 @@ def test_tracked_tx_chains_completed_only_once_their_frames_are_delivered(varian
         assert dp.pending == 0 and dp.stats()["rx_packets"] == 8
         nq.tx.cleanup()
         assert nq.tx.inflight == 0 and int(trk.c.completed) == 8
-    finally:
-        area.close()
-        nq.close()
+
+
+@pytest.mark.parametrize("used_batch", ["per-burst", "per-buffer"])
+def test_tracked_timer_flushes_once_the_driver_has_no_tx_descriptor_left(variant, used_batch):
+    """With tracking and --txq-flush timer:US, frames wait with their Tx chains not completed. When every descriptor
+    of the Tx ring is in a chain we took (a threshold larger than the ring holds), the driver cannot send the frames
+    that would reach the threshold: the loop flushes at once (flush_idle) instead of leaving it stuck for the timer."""
+    with _tracked_tx(variant, txq_flush="timer:10000000", txq_threshold=128, used_batch=used_batch) as (nq, dp, trk):
+        _send(nq, 48)
+        assert dp.run(max_iters=4) == {} and dp.pending == 48        # the driver could still send: they wait
+        nq.tx.cleanup()
+        assert nq.tx.inflight == 48
+        _send(nq, 16)                                                # the ring's last descriptors
+        assert dp.run(max_iters=4) == {}
+        st = dp.stats()
+        assert dp.pending == 0 and st["rx_packets"] == 64 and st["flush_idle"] == 1 and st["flush_timer"] == 0
+        nq.tx.cleanup()
+        assert nq.tx.inflight == 0 and int(trk.c.completed) == 64

@@ -597,6 +597,22 @@ static inline int vh_idle(struct vh_net *n, int got)
     return 1;
 }
 
+/* With inflight tracking (Tx completed only once the intermediate queue is empty): every descriptor of the Tx ring
+ * is in a chain we took and have not completed, so the driver cannot send the frames a timer flush would wait for.
+ * Those chains are all in the shadow (the dequeue pushes each one it takes); packed: the slots in flight. */
+static inline int vh_tx_held_all(const struct vh_net *n)
+{
+    const struct vq_device *q = n->txq;
+    if (!q)
+        return 0;
+    if (q->packed)
+        return q->inflight_slots >= q->size;
+    uint32_t held = 0;
+    for (uint32_t k = 0; k < q->shadow_count; k++)
+        held += q->id_ndesc[q->shadow_id[k]];
+    return held >= q->size;
+}
+
 /* The poll loop of vh_run (apart from it: the function that calls sigsetjmp is compiled conservatively). */
 static __attribute__((noinline)) int vh_run_slice(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns)
 {
@@ -619,6 +635,9 @@ static __attribute__((noinline)) int vh_run_slice(struct vh_net *n, uint32_t max
             } else if (n->flush_mode == VH_FLUSH_TIMER) {
                 if (vh_now_ns() - n->first_ns >= n->timer_ns) {
                     n->st.flush_timer++;
+                    vh_txq_flush(n);
+                } else if (n->tx_inf && got <= 0 && vh_tx_held_all(n)) {   /* tracked: no more can come */
+                    n->st.flush_idle++;
                     vh_txq_flush(n);
                 }
             } else if (got <= 0) {   /* threshold mode: drain when the Tx queue runs dry */
