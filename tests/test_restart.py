@@ -95,6 +95,33 @@ def test_kill9_inside_a_burst_loses_nothing(tmp_path, packed, in_order):
     assert "chains taken by the previous backend and not completed" in log, info
 
 
+@pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
+def test_kill9_while_frames_wait_for_the_timer_loses_nothing(tmp_path, packed):
+    """--txq-flush timer:US with inflight tracking: frames wait in the intermediate queue (a 3 s timer, a threshold
+    the 64 frames never reach, a ring they do not fill) with their Tx chains not completed; a kill -9 then loses
+    none of them: the successor takes every one again (they were never delivered: no duplicates)."""
+    sock = str(tmp_path / "vh.sock")
+    be_cpu, drv_cpu = _cpus()
+    with VhostProcess(sock, "--txq-flush", "timer:3000000", "--txq-threshold", "4096", pin=be_cpu,
+                      verbose=True) as be:
+        be.wait_socket()
+        drv = _driver(sock, "--reconnect", "--verify", "--mode", "macfwd", "--count", "64", "--seconds", "4",
+                      "--ring-size", "256", "--packed" if packed else "--split", pin=drv_cpu)
+        be.wait_stderr("data path started")
+        time.sleep(0.5)   # the 64 frames taken, waiting for the timer
+        be.proc.send_signal(signal.SIGKILL)
+        be.proc.wait(10)
+    with VhostProcess(sock, "--fwd", "macswap", pin=be_cpu) as be2:
+        res, _, err = _finish(drv)
+        ours = be2.stop()
+    v = res["verify"]
+    info = f"{v}\n{res['reconnects']}\n{ours}\n{err[-1500:]}"
+    pop = v["population"]
+    assert v["bad"] == 0 and v["missing"] == 0 and v["duplicates"] == 0, info
+    assert pop["present"] == 64 and pop["absent"] == 0 and pop["extra"] == 0, info
+    assert ours["txq1"]["tx_resubmitted"] == 64 and ours["ring_errors"] == 0, info
+
+
 def test_driver_server_mode_backend_killed_and_relaunched(tmp_path):
     """`vring driver --server` listens; `vring vhost --client` connects, is killed -9, a new one connects."""
     sock = str(tmp_path / "drv.sock")
