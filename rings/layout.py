@@ -140,6 +140,15 @@ def align_up(x, a):
     return (x + a - 1) & ~(a - 1)
 
 
+def odd_line_stride(size):
+    """``size`` rounded up to an odd number of 64-byte cache lines: the distance to give buffers that are used side
+    by side (the driver's pool, the backend's staging slots). A power-of-two distance puts the same bytes of every
+    buffer (header, first frame lines) into the same few cache sets, where a ring's worth evict each other; an odd
+    number of lines spreads them over every set, as DPDK's mempool pads its objects."""
+    lines = -(-size // 64)
+    return 64 * (lines | 1)
+
+
 @dataclass(frozen=True)
 class QueueLayout:
     """Where the three areas of one virtqueue live, as guest addresses."""

@@ -13,7 +13,8 @@ import pytest
 
 from rings.layout import VIRTIO_NET_F_MRG_RXBUF, bit
 from rings.pcap import PcapWriter
-from vhost.datapath import MAX_FRAME, stage_stride
+from rings.layout import odd_line_stride as stage_stride
+from vhost.datapath import MAX_FRAME
 from virtio.net import HEADROOM
 
 from tests.test_tap import frames as pcap_frames

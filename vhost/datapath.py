@@ -16,7 +16,7 @@ import numpy as np
 
 from rings._virtq import ffi as rings_ffi
 from rings.errors import ConfigError, GuestMemoryFault
-from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has)
+from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has, odd_line_stride)
 
 from ._net import ffi, lib
 
@@ -110,13 +110,6 @@ def _cast_dev(q):
     return ffi.cast("struct vq_device *", int(rings_ffi.cast("uintptr_t", q.c)))
 
 
-def stage_stride(pkt_size):
-    """What one frame takes in the intermediate queue: pkt_size rounded up to an odd number of 64-byte lines, so the
-    frames' first lines do not all fall into the same few cache sets (as 2048 apart they would)."""
-    lines = -(-pkt_size // 64)
-    return 64 * (lines if lines & 1 else lines + 1)
-
-
 def _ptr(ctype, arr):
     return ffi.cast(ctype, ffi.from_buffer(arr))
 
@@ -174,7 +167,7 @@ class Datapath:
         n.timing = options.timing
         n.crash_after = options.crash_after
         cap = options.txq_threshold + options.burst
-        n.pkt_size, n.pkt_max, n.pkt_cap = stage_stride(options.pkt_size), MAX_FRAME, cap
+        n.pkt_size, n.pkt_max, n.pkt_cap = odd_line_stride(options.pkt_size), MAX_FRAME, cap   # slots: no set aliasing
         self._pkt_data = np.zeros(cap * n.pkt_size, np.uint8)
         # frames longer than a slot: room for cap of the longest, mapped lazily (np.zeros), so only what such frames
         # touch is ever resident

@@ -160,6 +160,11 @@ def rx_buffer_len(features, buf_size=2048, headroom=HEADROOM):
     return buf_size - headroom + net_hdr_size(features)
 
 
+def rx_buffers(frame_len, features, buf_size=2048, headroom=HEADROOM):
+    """Mergeable Rx buffers one frame and its header take (NET-30: all but the last full)."""
+    return -(-(frame_len + net_hdr_size(features)) // rx_buffer_len(features, buf_size, headroom))
+
+
 def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_size=None):
     """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
     fit; with it, into as many as it needs (NET-30), all of them available at once: ConfigError, with the reason,
@@ -168,7 +173,7 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
     buffers a frame than DPDK's net_vhost takes (DPDK_RX_DESCS_MAX, ring size - 1; other devices fill the ring)."""
     post, hs = rx_buffer_len(features, buf_size, headroom), net_hdr_size(features)
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
-        need = -(-(frame_len + hs) // post) if frame_len is not None else 0
+        need = rx_buffers(frame_len, features, buf_size, headroom) if frame_len is not None else 0
         if ring_size is not None and need > ring_size:
             raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} "
                               f"bytes (NET-30), more than the Rx ring's {ring_size} entries: the device could never "
@@ -200,7 +205,7 @@ def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEA
     descriptors a frame (check_tx_frame: a chained header or more segments than an indirect table holds)."""
     per_frame = 1
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
-        per_frame = -(-(frame_len + net_hdr_size(features)) // rx_buffer_len(features, buf_size, headroom))
+        per_frame = rx_buffers(frame_len, features, buf_size, headroom)
     holds = size // per_frame
     if count > holds:
         how = f"{per_frame} Rx buffers a {frame_len}-byte frame, " if per_frame > 1 else ""
