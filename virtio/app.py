@@ -114,7 +114,9 @@ class DriverConfig:
         receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
         warnings = check_rx_frame(frame if receives else None, features, self.buf_size, ring_size=self.ring_size)
         if self.mode == "macfwd" and self.count:
-            check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots)
+            restarts = (self.reconnect or self.server) and self.inflight is not False   # a successor takes again
+            warnings += check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots,
+                                       restarts=restarts)
         return warnings
 
 

@@ -196,13 +196,17 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
     return []
 
 
-def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEADROOM, tx_slots=1):
+def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEADROOM, tx_slots=1,
+                   restarts=False):
     """macfwd --count: the frames injected all come back through the Rx ring at once when the device is quicker
     than the driver, and a device with no Rx buffer for a frame drops it; they all go out again through the Tx ring
     when the driver is the quicker, and the driver drops what finds no room there (after VN_TX_RETRIES reclaims).
     ConfigError when a ring of ``size`` entries cannot hold ``count`` such frames: Rx, with MRG_RXBUF
     ceil((header + frame) / buffer) buffers a frame (NET-30), one without (check_rx_frame); Tx, ``tx_slots`` ring
-    descriptors a frame (check_tx_frame: a chained header or more segments than an indirect table holds)."""
+    descriptors a frame (check_tx_frame: a chained header or more segments than an indirect table holds).
+    Returns warnings: with ``restarts`` (inflight tracking across backend restarts) a successor takes again the Tx
+    chains its predecessor delivered and did not complete, up to one copy a frame, bounded by the Tx ring; when
+    frames and copies together overflow the Rx ring the device drops injected frames."""
     per_frame = 1
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
         per_frame = rx_buffers(frame_len, features, buf_size, headroom)
@@ -217,6 +221,13 @@ def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEA
         raise ConfigError(f"{count} frames injected, but the Tx ring holds {holds} ({size} entries, {tx_slots} "
                           f"descriptors a {frame_len}-byte frame): the driver would drop {count - holds} of them "
                           f"when they are all to go out at once; inject at most {holds}, or use a larger ring")
+    rx_holds, at_once = size // per_frame, min(2 * count, holds)   # copies take Tx slots too
+    if restarts and at_once > rx_holds:
+        return [f"{count} frames injected and, after a backend restart, up to {at_once - count} copies of them taken "
+                f"again (inflight tracking: chains delivered and not completed) take {at_once} frames' room, but the "
+                f"Rx ring holds {rx_holds} ({per_frame} Rx buffers a {frame_len}-byte frame): the device would drop "
+                f"{at_once - rx_holds} injected frames on a restart; inject at most {rx_holds // 2} to lose none"]
+    return []
 
 
 class TxQueue:
