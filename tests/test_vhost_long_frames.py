@@ -206,3 +206,22 @@ def test_no_frame_over_max_frame_is_taken_whatever_the_slot(variant, pkt_size):
         assert st["tx_oversize"] == 2 and st["tx_packets"] == st["rx_packets"] == 2
     finally:
         lp.close()
+
+
+@pytest.mark.parametrize("flush", ["rx-batch", "none"])
+def test_vhost_pcap_rxonly_writes_each_frame_taken(variant, flush, tmp_path):
+    """--fwd rxonly --pcap: each frame taken off the Tx ring is written (as sent), none as received (nothing is put
+    on the Rx ring). The capture used to be empty: rxonly overwrote one staging slot with every frame."""
+    w = PcapWriter(tmp_path / "b.pcap", None)
+    lp = Loop(variant | MRG, size=64, txq_flush=flush, fwd="rxonly", pcap=w)
+    try:
+        sent = [frame(k, n) for k, n in enumerate([60, 9000, 1500, MAX_FRAME, 200])]
+        send(lp, sent)
+        run(lp, 1)
+        assert receive(lp) == []
+        w.close()
+        assert [buf for _, buf in pcap_frames(tmp_path / "b.pcap")] == sent
+        st = lp.dp.stats()
+        assert st["tx_packets"] == st["fwd_dropped"] == len(sent) and st["rx_packets"] == st["rx_dropped"] == 0, st
+    finally:
+        lp.close()

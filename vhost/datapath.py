@@ -179,6 +179,7 @@ class Datapath:
         n.pkt_len = _ptr("uint32_t *", self._pkt_len)
         n.pkt_src = self._pkt_src
         n.direct = options.direct and options.pcap is None   # see _run_captured
+        n.capture = options.pcap is not None
         n.idle_polls = options.idle_polls if options.idle == "sleep" else 0
         scratch = max(max(sizes), options.burst)
         self._ids = np.zeros(scratch, np.uint32)
@@ -196,6 +197,7 @@ class Datapath:
         if self.options.pcap is not None and not self.options.pcap.full:
             broken = self._run_captured(budget_us)
         else:
+            self.n.capture = 0   # the capture is over (or none): rxonly frames are dropped at the dequeue again
             broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
         if self.n.guest_fault:
             raise self._fault()
@@ -209,7 +211,7 @@ class Datapath:
         driver sent it (with macswap, the swap is undone on the copy) and, unless the Rx queue had no room for
         it, as the driver receives it."""
         n, w = self.n, self.options.pcap
-        swap = self.options.fwd == "macswap"
+        swap, rxonly = self.options.fwd == "macswap", self.options.fwd == "rxonly"   # rxonly: nothing received
         end = time.monotonic() + budget_us / 1e6
         while not n.broken and not w.full:
             first = int(n.npkts)
@@ -226,7 +228,8 @@ class Datapath:
             if n.guest_fault:
                 break
             # the Rx queue drops the tail; a frame no one Rx buffer holds (NET-27, rx_too_big) has its length zeroed
-            for i, f in enumerate(out[:len(out) - (int(n.st.rx_dropped) - dropped)], first):
+            received = [] if rxonly else out[:len(out) - (int(n.st.rx_dropped) - dropped)]
+            for i, f in enumerate(received, first):
                 if self._pkt_len[i]:
                     w.write(f, now)
             if got <= 0 or time.monotonic() >= end:

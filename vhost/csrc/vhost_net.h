@@ -105,7 +105,7 @@ static inline uint8_t *vh_long_slot(struct vh_net *n, uint32_t plen, uint32_t qu
     if (n->long_fill + need > n->long_size)
         return 0;
     uint8_t *p = n->pkt_long + n->long_fill;
-    if (queued)   /* rxonly: the frame is dropped, its copy overwritten by the next */
+    if (queued)   /* rxonly (not capturing): the frame is dropped, its copy overwritten by the next */
         n->long_fill += need;
     return p;
 }
@@ -134,7 +134,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
     uint32_t fit = size < max_frame ? size : max_frame;   /* a slot may be longer than the longest frame taken */
     uint32_t per_buffer = n->per_buffer, direct = n->direct && !per_buffer;   /* per buffer: a chain is completed
                                                                                  before the enqueue */
-    uint32_t tracked = n->tx_inf != 0;
+    uint32_t tracked = n->tx_inf != 0, keep = fwd != VH_FWD_RXONLY || n->capture;   /* rxonly: dropped here */
     const uint16_t *cid = c->id, *nseg = c->nseg;
     const uint32_t *rlens = c->rlen, *start = c->seg_start;
     uint8_t *const *host = c->seg_host;
@@ -160,7 +160,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
                 goto complete;
             }
             /* copied, never left in the Tx buffer */
-            if (plen > max_frame || !(dst = vh_long_slot(n, plen, fwd != VH_FWD_RXONLY))) {
+            if (plen > max_frame || !(dst = vh_long_slot(n, plen, keep))) {
                 oversize++;
                 goto complete;
             }
@@ -179,7 +179,7 @@ static inline int vh_dequeue_burst(struct vh_net *n)
         pkt_len[pk] = plen;
         bytes += plen;
         moved++;
-        if (fwd != VH_FWD_RXONLY)
+        if (keep)
             pk++;
     complete:
         if (per_buffer) {
@@ -537,6 +537,8 @@ static inline int vh_txq_flush(struct vh_net *n)
         return 0;
     n->npkts = 0;
     n->long_fill = 0;   /* every frame below is delivered or dropped before the next dequeue reuses the area */
+    if (n->fwd == VH_FWD_RXONLY)   /* queued only for --pcap: counted (fwd_dropped) at the dequeue */
+        return 0;
     if (!n->rxq) {
         n->st.rx_dropped += left;
         return 0;

@@ -107,6 +107,7 @@ struct vh_net {
     const uint8_t **pkt_src;             /* where each queued frame is: its pkt_data slot, its place in pkt_long,
                                             or (direct) the driver's Tx buffer, read before that chain is completed */
     uint32_t direct;                     /* --txq-flush none: no staging copy for one-segment frames */
+    uint32_t capture;                    /* --pcap: rxonly frames queued too (read by Python, then discarded) */
     uint32_t pkt_size;                   /* a slot (odd 64-byte lines: no cache-set aliasing between slots) */
     uint32_t pkt_max;                    /* the longest frame taken; longer ones are dropped (tx_oversize) */
     uint32_t pkt_cap, npkts;
