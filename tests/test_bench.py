@@ -4,6 +4,7 @@ import glob
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -294,3 +295,36 @@ def test_table_and_plot_from_a_result(tmp_path):
     assert "5.000" in table and "0.750" in table and "ok" in table   # vs dpdk: median of the side-by-side ratios
     bench.plot(result, tmp_path / "p.png")   # matplotlib is in the [test] extra: no skip
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_two_speed_regimes_are_compared_within_each():
+    """A machine that runs at two speeds (a shared VM here: about 2x apart, switching every few seconds): a run
+    that caught the fast one beside one that caught the slow one says nothing about the pairs. The samples of a
+    point are split where they divide, and each pair is compared with dpdk/dpdk within each regime."""
+    assert bench.speed_regimes([10e6, 11e6, 9.5e6, 10.5e6, 9.8e6, 10.2e6, 11.5e6, 9.1e6]) is None   # one regime
+    assert bench.speed_regimes([10e6, 20e6, 10e6, 20e6]) is None                                   # too few samples
+    t = bench.speed_regimes([9.5e6, 9.6e6, 9.7e6, 10e6, 16e6, 17e6, 17.2e6, 17.4e6])
+    assert 10e6 < t < 16e6
+    cfg = bench.BenchConfig(pairs=["ours/dpdk", "dpdk/dpdk"], paths=["packed-normal"], repeat=2)
+
+    def rec(pair, rep, samples):
+        return {"pair": pair, "path": "packed-normal", "pkt_size": 64, "repeat": rep,
+                "rate": {"pps_median": statistics.median(samples), "samples_pps": samples},
+                "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "-"},
+                "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
+    # repeat 0: ours slow, dpdk fast; repeat 1: the other way round. Same-repeat ratios 0.56 and 1.79
+    runs = [rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), rec("dpdk/dpdk", 0, [16e6, 16e6, 16e6]),
+            rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6])]
+    ours, ref = bench.aggregate(cfg, runs)
+    assert ours["regimes"]["slow"] == {"samples": 3, "median": 9_600_000}
+    assert ref["regimes"]["fast"] == {"samples": 3, "median": 16_000_000}
+    assert ours["regimes"]["threshold_pps"] == ref["regimes"]["threshold_pps"]
+    assert ours["vs_dpdk"]["by_regime"] == {"slow": 0.96, "fast": 1.075}
+    assert "by_regime" not in ref["vs_dpdk"] if ref["vs_dpdk"] else True
+    result = {"points": [ours, ref], "config": {}, "errors": []}
+    table = bench.format_table(result)
+    assert "two speed regimes" in table and "0.960" in table and "1.075" in table
+    # a regime a pair has too few samples in gives no ratio there
+    runs[2]["rate"]["samples_pps"] = [9.5e6, 9.6e6, 17.2e6]
+    ours, _ = bench.aggregate(cfg, runs)
+    assert ours["vs_dpdk"]["by_regime"]["fast"] is None and ours["vs_dpdk"]["by_regime"]["slow"] is not None

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from virtio import packets
-from virtio.ledger import Ledger
+from virtio._net import ffi, lib
+from virtio.ledger import SEQ_BAD, Ledger
 from virtio.net import HEADROOM
 from virtio.pool import BufferPool, pool_stride
 
@@ -94,3 +95,25 @@ def test_pool_helpers_bound_every_buffer_index_themselves():
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert r.returncode == 0, (r.returncode, r.stderr[-500:])
     assert r.stdout.split() == ["2", "3"]  # the two out-of-pool indices refused; a zero stamp is bad for lat too
+
+
+def test_a_bad_frame_has_no_sequence_number():
+    """vn_check stops reading a frame at its first wrong byte, before the sequence field: the seq it gave for a
+    bad frame was 0, so that --verify counted every corrupted frame as an arrival of frame 0 (frame 0 'seen', the
+    frame that was corrupted not missing, and in a resilient run a 'copy' of frame 0 freed as a duplicate). A bad
+    frame's seq is now SEQ_BAD, which no ledger or count tracks."""
+    pool = BufferPool(bytearray(4 * 2112), 0x1000, 4, 2048, HEADROOM)
+    tmpl = packets.template(64, packets.DEFAULT_DST, packets.DEFAULT_SRC)
+    good = bytearray(bytes(tmpl))
+    good[0:6], good[6:12] = bytes(tmpl[6:12]), bytes(tmpl[0:6])   # what macswap sends back
+    good[packets.SEQ_OFF:packets.SEQ_OFF + 8] = (7 | 2 << 32).to_bytes(8, "little")
+    pool.write(0, bytes(good))
+    pool.write(1, bytes(tmpl))                       # MACs not swapped
+    idx, lens, seqs = np.array([0, 1], np.uint32), np.full(2, 64, np.uint32), np.zeros(2, np.uint64)
+    p = lambda a, t: ffi.cast(t, ffi.from_buffer(a))   # noqa: E731
+    bad = lib.vn_check(pool.c, p(idx, "uint32_t *"), p(lens, "uint32_t *"), 2, p(tmpl, "uint8_t *"), 64, 1,
+                       packets.SEQ_OFF, packets.TS_OFF, p(seqs, "uint64_t *"))
+    assert bad == 1 and list(seqs) == [7 | 2 << 32, SEQ_BAD]
+    led = Ledger(8)
+    led.laps[0], led.laps[7] = 3, 2   # frame 0 on its third lap: a seq of 0 with lap 0 would be an old copy
+    assert led.dedupe(pool, idx, lens, seqs, 2, advance=False) == 2 and led.duplicates == 0

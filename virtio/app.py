@@ -41,7 +41,7 @@ from ._net import ffi, lib
 from .frontend import want_features
 from rings.ctl import ControlServer
 
-from .ledger import SEQ_MASK, Ledger
+from .ledger import SEQ_BAD, SEQ_MASK, Ledger
 from .net import PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
@@ -267,6 +267,27 @@ def run(cfg: DriverConfig, on_ready=None):
             nq.close()
 
 
+def verify_failures(v, at_end=True):
+    """What a --verify report says went wrong, one line each (empty: every frame checked came back whole, each
+    sequence number sent came back during the run and, with ``at_end`` (a drain), once more at the end, with no
+    extra copy)."""
+    out = []
+    if v["bad"]:
+        out.append(f"{v['bad']} frame(s) bad: MACs not swapped, length, payload or sequence number wrong")
+    missing = v.get("missing", 0)
+    if missing:
+        out.append(f"{missing} frame(s) sent never came back intact")
+    pop = v.get("population")
+    if pop is not None and at_end:
+        late = pop["absent"] - missing
+        if late > 0:
+            out.append(f"{late} frame(s) came back during the run but not at the end (lost late)")
+        if pop["extra"]:
+            out.append(f"{pop['extra']} extra {'copy' if pop['extra'] == 1 else 'copies'} at the end: a frame came "
+                       f"back more than once")
+    return out
+
+
 def _tx_unfinished(tx):
     """Tx buffers the backend never completed, when the run ended on an error (no drain): what its used ring
     already returned is reclaimed first (our memory, readable after the backend died), since the driver reclaims
@@ -356,7 +377,9 @@ class _Loop:
         nq.rx.c.own_frame = cfg.mode == "macfwd"   # it writes the MACs and stamp (and the Tx header: same line)
         self.pace = None
         self.bad = 0
-        self.seen = None
+        self.seen = None               # macfwd --count --verify: arrivals per sequence number over the run
+        self.sent_seq = None           # ... which sequence numbers went out (a failed injection leaves gaps)
+        self.final = None              # ... arrivals per sequence number while draining (the ledger keeps its own)
         self.injected = 0
         self.held_end = 0
         self.drained = 0
@@ -401,10 +424,11 @@ class _Loop:
         c = self.cfg
         self.bad += lib.vn_check(self.nq.pool.c, self.p_idx, self.p_lens, n, self.p_tmpl, self.plen,
                                  int(c.mode != "rxonly"), packets.SEQ_OFF, packets.TS_OFF, self.p_seqs)
-        s = self.seqs[:n] & SEQ_MASK
-        if self.seen is not None:
-            ok = s < len(self.seen)
-            self.bad += int((~ok).sum())
+        if self.seen is not None:   # a bad frame (SEQ_BAD) counts once, by vn_check, and is not seen
+            good = self.seqs[:n] != SEQ_BAD
+            s = self.seqs[:n] & SEQ_MASK
+            ok = good & (s < len(self.seen))
+            self.bad += int((good & ~ok).sum())   # intact, but with a sequence number never sent
             np.add.at(self.seen, s[ok].astype(np.int64), 1)
 
     # -- loops
@@ -458,14 +482,20 @@ class _Loop:
         if cfg.mode == "macfwd" and cfg.count:
             if cfg.verify:
                 self.seen = np.zeros(cfg.count, np.int64)
+                self.sent_seq = np.zeros(cfg.count, bool)
                 if self.holding:
                     self.ledger = Ledger(cfg.count)
+                elif cfg.drain > 0:   # --drain 0: nothing is waited for at the end, nothing counted
+                    self.final = np.zeros(cfg.count, np.int64)
             left = cfg.count
             while left and not self.stop.flag and time.monotonic() < deadline:
                 k = self._gen(min(cfg.burst, left))
                 if k == 0:
                     break
-                self.injected += self._send_all(k, min(deadline, time.monotonic() + cfg.timeout))
+                sent = self._send_all(k, min(deadline, time.monotonic() + cfg.timeout))
+                if self.sent_seq is not None:
+                    self.sent_seq[self.seq - k:self.seq - k + sent] = True
+                self.injected += sent
                 left -= k
         while True:
             try:
@@ -728,6 +758,9 @@ class _Loop:
             if self.ledger is not None:   # what came back at the end (copies counted, not kept)
                 n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n, advance=False)
                 self.ledger.count_final(self.seqs, n)
+            elif self.final is not None:
+                s = (self.seqs[:n] & SEQ_MASK).astype(np.int64)
+                np.add.at(self.final, s[s < len(self.final)], 1)
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n
@@ -747,9 +780,19 @@ class _Loop:
                            "pool_empty_steps": int(pc.nobuf)}
         if self.cfg.verify:
             out["verify"] = {"bad": self.bad}
+            v = out["verify"]
             if self.seen is not None:
-                out["verify"].update(missing=int((self.seen == 0).sum()), max_seen=int(self.seen.max(initial=0)),
-                                     min_seen=int(self.seen.min()) if len(self.seen) else 0)
+                sent = self.sent_seq
+                v.update(missing=int((sent & (self.seen == 0)).sum()), max_seen=int(self.seen.max(initial=0)),
+                         min_seen=int(self.seen[sent].min()) if sent.any() else 0)
             if self.ledger is not None:
-                out["verify"].update(self.ledger.summary(self.reconnects, int(nq.tx.inflight), self.held_end))
+                v.update(self.ledger.summary(self.reconnects, int(nq.tx.inflight), self.held_end, self.sent_seq))
+            elif self.final is not None:
+                present = int((self.final > 0).sum())
+                copies = int(self.final.sum())
+                v["population"] = {"copies": copies, "present": present,
+                                   "absent": int((self.sent_seq & (self.final == 0)).sum()),
+                                   "extra": copies - present}
+            v["failures"] = verify_failures(v, self.cfg.drain > 0)
+            v["ok"] = not v["failures"]
         return out

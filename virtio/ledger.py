@@ -18,6 +18,7 @@ from . import packets
 from .pool import NONE
 
 SEQ_MASK = 0xFFFFFFFF
+SEQ_BAD = 0xFFFFFFFFFFFFFFFF   # vn_check's seqs entry for a bad frame (VN_SEQ_BAD): its seq is never tracked
 
 
 class Ledger:
@@ -89,18 +90,20 @@ class Ledger:
         s = (seqs[:n] & SEQ_MASK).astype(np.int64)
         np.add.at(self.final, s[s < len(self.final)], 1)
 
-    def summary(self, restarts, tx_inflight, held):
-        """The population at the end, and each restart's losses (``restarts``: the loop's records, updated)."""
+    def summary(self, restarts, tx_inflight, held, sent=None):
+        """The population at the end, and each restart's losses (``restarts``: the loop's records, updated).
+        ``sent``: which sequence numbers went out (default all); one never sent is not absent."""
         present = int((self.final > 0).sum())
         copies = int(self.final.sum())
         gone = [r["gone_t"] for r in restarts]
         for r in restarts:
             r.setdefault("lost", 0)
             r.setdefault("duplicates", 0)
-        for seq in np.flatnonzero(self.final == 0):
+        lost = self.final == 0 if sent is None else sent & (self.final == 0)
+        for seq in np.flatnonzero(lost):
             k = int(np.searchsorted(gone, self.last_seen[seq]))
             if k < len(restarts):
                 restarts[k]["lost"] += 1
         return {"duplicates": self.duplicates,
-                "population": {"copies": copies, "present": present, "absent": len(self.final) - present,
+                "population": {"copies": copies, "present": present, "absent": int(lost.sum()),
                                "extra": copies - present, "tx_inflight": tx_inflight, "held": held}}

@@ -70,6 +70,8 @@ MAX_RATE = 100e6
 PCTS = ("p50", "p99", "p99.9")
 IDLE_MARK = "vring driver: idle for"   # what our driver prints when its idle interval starts
 NOISY = 0.10                           # other work on the pinned CPUs above this share: the point is flagged
+REGIME_GAP = 1.4                       # two clusters of rate samples this far apart are two machine speeds
+REGIME_MIN = 3                         # samples a pair needs in one speed regime for a figure there
 
 
 class BenchError(RuntimeError):
@@ -956,6 +958,36 @@ def _cpu_med(runs, part, who):
     return _med([((r.get("cpu") or {}).get(part) or {}).get(who) for r in runs])
 
 
+def speed_regimes(samples):
+    """The rate that splits the samples of one point (all its pairs pooled) into a slow and a fast regime, or None
+    when they look like one. Some machines (a shared VM: seen here, two speeds about 2x apart, switching every few
+    seconds) run whole seconds at one speed or the other, whatever runs on them; a median over runs that caught
+    different regimes compares the machine, not the pairs. Two-means on the log of the rates; two regimes when the
+    two centres are at least REGIME_GAP apart."""
+    xs = sorted(math.log(x) for x in samples if x and x > 0)
+    if len(xs) < 2 * REGIME_MIN or xs[-1] - xs[0] < math.log(REGIME_GAP):
+        return None
+    lo, hi = xs[0], xs[-1]
+    for _ in range(100):
+        t = (lo + hi) / 2
+        a, b = [x for x in xs if x < t], [x for x in xs if x >= t]
+        new = (sum(a) / len(a), sum(b) / len(b))
+        if new == (lo, hi):
+            break
+        lo, hi = new
+    if hi - lo < math.log(REGIME_GAP):
+        return None
+    return math.exp((lo + hi) / 2)
+
+
+def _by_regime(samples, threshold):
+    out = {}
+    for name, mine in (("slow", [x for x in samples if x < threshold]),
+                       ("fast", [x for x in samples if x >= threshold])):
+        out[name] = {"samples": len(mine), "median": round(statistics.median(mine)) if mine else None}
+    return out
+
+
 def aggregate(cfg: BenchConfig, records):
     """Per point (study group and variant, path, size, offered rate, mode, pair): the medians over repeats, and
     the ratio to dpdk/dpdk at the same point (median of the per-repeat ratios: same repeat, same noise)."""
@@ -1017,7 +1049,32 @@ def aggregate(cfg: BenchConfig, records):
             p["vs_dpdk"] = {"ratio": round(p["pps"]["median"] / ref["pps"]["median"], 3),
                             "per_repeat": [round(x, 3) for x in same],
                             "median_of_per_repeat": round(statistics.median(same), 3) if same else None}
+    # speed regimes: per point (all but the pair), the samples of every pair pooled
+    samples = {}
+    for r in records:
+        samples.setdefault(_rkey(r), []).extend(r["rate"]["samples_pps"])
+    groups = {}
+    for p in points:
+        groups.setdefault(_pkey(p)[:-1], []).append(p)
+    for key, pts in groups.items():
+        threshold = speed_regimes([x for p in pts for x in samples[_pkey(p)]])
+        for p in pts:
+            p["regimes"] = None if threshold is None else {"threshold_pps": round(threshold),
+                                                           **_by_regime(samples[_pkey(p)], threshold)}
+        ref = next((p for p in pts if p["pair"] == "dpdk/dpdk"), None)
+        for p in pts:
+            if threshold is None or ref is None or p is ref or p["vs_dpdk"] is None:
+                continue
+            p["vs_dpdk"]["by_regime"] = {
+                name: (round(p["regimes"][name]["median"] / ref["regimes"][name]["median"], 3)
+                       if min(p["regimes"][name]["samples"], ref["regimes"][name]["samples"]) >= REGIME_MIN
+                       else None) for name in ("slow", "fast")}
     return points
+
+
+def _pkey(p):
+    """A point's key, as _rkey of its records."""
+    return (p["group"], p["variant"], p["path"], p["pkt_size"], p["offered_pps"], p["mode"], p["pair"])
 
 
 def run_bench(cfg: BenchConfig, progress=None, on_record=None):
@@ -1138,8 +1195,33 @@ def format_table(result):
             + (f"{_pct(cpu.get('idle_device')):>8s} {_pct(cpu.get('idle_driver')):>8s} " if idle else "")
             + f"{_fmt(p['retries'], 'd'):>7s} {p['drops']:>6d} "
               f"{'ok' if p['loss_check_ok'] else 'FAIL':>5s}" + ("  noisy" if p.get("noisy") else ""))
+    lines += _regime_lines(pts, rates)
     lines += _footer(result)
     return "\n".join(lines)
+
+
+def _regime_lines(pts, rates):
+    """Points whose samples fell into two speed regimes (speed_regimes): each pair's rate within each, and its
+    ratio to dpdk/dpdk's in the same regime."""
+    pts = [p for p in pts if p.get("regimes")]
+    if not pts:
+        return []
+    head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} " + (f"{'offered':>8s} " if rates else "")
+            + f"{'split at':>8s} | {'slow n':>6s} {'Mpps':>7s} {'vs dpdk':>7s} | {'fast n':>6s} {'Mpps':>7s} "
+              f"{'vs dpdk':>7s}")
+    lines = ["", "two speed regimes: the machine ran at two speeds during these points; each pair's samples split "
+                 "where the pooled samples of the point divide, Mpps (median) and vs dpdk within each", head,
+             "-" * len(head)]
+    for p in pts:
+        g, by = p["regimes"], (p["vs_dpdk"] or {}).get("by_regime") or {}
+        cells = []
+        for name in ("slow", "fast"):
+            m = g[name]["median"]
+            cells.append(f"{g[name]['samples']:>6d} {_fmt(m and m / 1e6, '7.3f'):>7s} {_fmt(by.get(name), '7.3f'):>7s}")
+        lines.append(f"{p['path']:16s} {p['pkt_size']:>5d} {p['pair']:13s} {p.get('mode', 'poll'):6s} "
+                     + (f"{_rate_label(p.get('offered_pps')):>8s} " if rates else "")
+                     + f"{g['threshold_pps'] / 1e6:>8.2f} | {cells[0]} | {cells[1]}")
+    return lines
 
 
 def _footer(result):

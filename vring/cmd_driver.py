@@ -61,7 +61,9 @@ def register(sub):
                    help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
                         "them); without it that is a warning (and tx_unfinished in the counters)")
     p.add_argument("--verify", action="store_true",
-                   help="check every received frame: MACs swapped, payload intact, sequence numbers")
+                   help="check every received frame: MACs swapped, payload intact, sequence numbers; macfwd --count: "
+                        "every frame sent comes back, and once more at the end. Exit 1 when a check failed "
+                        "(verify.failures says which)")
     p.add_argument("--stamp", action="store_true", help="timestamp generated frames (CLOCK_MONOTONIC ns)")
     p.add_argument("--latency", action="store_true",
                    help="macfwd: measure the round-trip latency of every frame (stamped at each send)")
@@ -92,7 +94,8 @@ def register(sub):
                         "C returns to Python at least every millisecond meanwhile, so a stop is seen at once")
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
-    p.add_argument("--drain", type=float, default=0.3, help="seconds to drain Rx at the end")
+    p.add_argument("--drain", type=float, default=0.3,
+                   help="seconds to drain Rx at the end (--verify counts what comes back then; 0: no count)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
     p.add_argument("--pcap", metavar="FILE", help="write the frames sent and received (pcap; the loop then runs "
                    "Python once per burst)")
@@ -172,6 +175,11 @@ def main(args):
             return 2
         raise
     _print_report(args, res)
+    rc = 0
+    failures = res.get("verify", {}).get("failures")
+    if failures:
+        print(f"vring driver: VerifyFailed: {'; '.join(failures)}", file=sys.stderr)
+        rc = 1
     unfinished = res.get("tx_unfinished", 0)
     if unfinished:
         what = (f"{unfinished} Tx buffer{'s' * (unfinished != 1)} still in flight at exit: the backend never "
@@ -180,4 +188,4 @@ def main(args):
             print(f"vring driver: TxUnfinished: {what}", file=sys.stderr)
             return 2
         print(f"vring driver: warning: {what} (--strict makes this an error)", file=sys.stderr)
-    return 0
+    return rc

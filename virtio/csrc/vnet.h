@@ -723,9 +723,11 @@ static inline uint32_t vn_gen(struct vn_pool *p, uint32_t *out, uint32_t n, cons
     return i;
 }
 
+#define VN_SEQ_BAD UINT64_MAX   /* a bad packet's entry in vn_check's seqs: its sequence field says nothing */
+
 /* Check received packets against the template: length, MACs (swapped when `swapped`), every payload byte
  * after the Ethernet header except the sequence and timestamp fields. Returns the number of bad packets;
- * the sequence numbers go to seqs. Follows segment chains (mergeable packets). */
+ * the sequence numbers go to seqs, VN_SEQ_BAD for a bad packet. Follows segment chains (mergeable packets). */
 static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, const uint32_t *len, uint32_t n,
                                 const uint8_t *tmpl, uint32_t tlen, int swapped, uint32_t seq_off, uint32_t ts_off,
                                 uint64_t *seqs)
@@ -765,7 +767,7 @@ static inline uint32_t vn_check(const struct vn_pool *p, const uint32_t *idx, co
         }
         if (pos != tlen)
             ok = 0;
-        seqs[i] = s;
+        seqs[i] = ok ? s : VN_SEQ_BAD;
         bad += !ok;
     }
     return bad;
