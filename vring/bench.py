@@ -71,7 +71,7 @@ PCTS = ("p50", "p99", "p99.9")
 IDLE_MARK = "vring driver: idle for"   # what our driver prints when its idle interval starts
 NOISY = 0.10                           # other work on the pinned CPUs above this share: the point is flagged
 REGIME_GAP = 1.4                       # two clusters of rate samples this far apart are two machine speeds
-REGIME_MIN = 3                         # samples a pair needs in one speed regime for a figure there
+REGIME_MIN = 3                         # samples each of the two regimes needs for a split
 
 
 class BenchError(RuntimeError):
@@ -959,11 +959,12 @@ def _cpu_med(runs, part, who):
 
 
 def speed_regimes(samples):
-    """The rate that splits the samples of one point (all its pairs pooled) into a slow and a fast regime, or None
-    when they look like one. Some machines (a shared VM: seen here, two speeds about 2x apart, switching every few
+    """The rate that splits the samples of one point (one pair) into a slow and a fast regime, or None when they
+    do not show two. Some machines (a shared VM: seen here, two speeds about 2x apart, switching every few
     seconds) run whole seconds at one speed or the other, whatever runs on them; a median over runs that caught
     different regimes compares the machine, not the pairs. Two-means on the log of the rates; two regimes when the
-    two centres are at least REGIME_GAP apart."""
+    two centres are at least REGIME_GAP apart and each holds REGIME_MIN samples. A pair whose samples all fell in
+    one regime cannot say which one: it gets no split."""
     xs = sorted(math.log(x) for x in samples if x and x > 0)
     if len(xs) < 2 * REGIME_MIN or xs[-1] - xs[0] < math.log(REGIME_GAP):
         return None
@@ -975,9 +976,10 @@ def speed_regimes(samples):
         if new == (lo, hi):
             break
         lo, hi = new
-    if hi - lo < math.log(REGIME_GAP):
+    t = (lo + hi) / 2
+    if hi - lo < math.log(REGIME_GAP) or min(sum(x < t for x in xs), sum(x >= t for x in xs)) < REGIME_MIN:
         return None
-    return math.exp((lo + hi) / 2)
+    return math.exp(t)
 
 
 def _by_regime(samples, threshold):
@@ -1049,26 +1051,20 @@ def aggregate(cfg: BenchConfig, records):
             p["vs_dpdk"] = {"ratio": round(p["pps"]["median"] / ref["pps"]["median"], 3),
                             "per_repeat": [round(x, 3) for x in same],
                             "median_of_per_repeat": round(statistics.median(same), 3) if same else None}
-    # speed regimes: per point (all but the pair), the samples of every pair pooled
+    # speed regimes: each point's own samples (pairs run at different rates: pooled, they would split by pair)
     samples = {}
     for r in records:
         samples.setdefault(_rkey(r), []).extend(r["rate"]["samples_pps"])
-    groups = {}
     for p in points:
-        groups.setdefault(_pkey(p)[:-1], []).append(p)
-    for key, pts in groups.items():
-        threshold = speed_regimes([x for p in pts for x in samples[_pkey(p)]])
-        for p in pts:
-            p["regimes"] = None if threshold is None else {"threshold_pps": round(threshold),
-                                                           **_by_regime(samples[_pkey(p)], threshold)}
-        ref = next((p for p in pts if p["pair"] == "dpdk/dpdk"), None)
-        for p in pts:
-            if threshold is None or ref is None or p is ref or p["vs_dpdk"] is None:
-                continue
-            p["vs_dpdk"]["by_regime"] = {
-                name: (round(p["regimes"][name]["median"] / ref["regimes"][name]["median"], 3)
-                       if min(p["regimes"][name]["samples"], ref["regimes"][name]["samples"]) >= REGIME_MIN
-                       else None) for name in ("slow", "fast")}
+        mine = samples[_pkey(p)]
+        threshold = speed_regimes(mine)
+        p["regimes"] = None if threshold is None else {"threshold_pps": round(threshold),
+                                                       **_by_regime(mine, threshold)}
+    for p in points:
+        ref = by_key.get(_pkey(p)[:-1] + ("dpdk/dpdk",))
+        if p["regimes"] and p["vs_dpdk"] is not None and ref is not None and ref["regimes"]:
+            p["vs_dpdk"]["by_regime"] = {name: round(p["regimes"][name]["median"] / ref["regimes"][name]["median"], 3)
+                                         for name in ("slow", "fast")}
     return points
 
 
@@ -1209,8 +1205,8 @@ def _regime_lines(pts, rates):
     head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} " + (f"{'offered':>8s} " if rates else "")
             + f"{'split at':>8s} | {'slow n':>6s} {'Mpps':>7s} {'vs dpdk':>7s} | {'fast n':>6s} {'Mpps':>7s} "
               f"{'vs dpdk':>7s}")
-    lines = ["", "two speed regimes: the machine ran at two speeds during these points; each pair's samples split "
-                 "where the pooled samples of the point divide, Mpps (median) and vs dpdk within each", head,
+    lines = ["", "two speed regimes: the samples of these points fell into two clusters (the machine ran at two "
+                 "speeds); Mpps (median) within each, and vs dpdk where dpdk/dpdk's samples split too", head,
              "-" * len(head)]
     for p in pts:
         g, by = p["regimes"], (p["vs_dpdk"] or {}).get("by_regime") or {}
