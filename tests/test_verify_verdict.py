@@ -80,3 +80,55 @@ def test_verify_fails_exit_1_when_the_backend_does_not_swap_macs(tmp_path, packe
     assert rc == 1 and v["bad"] > 0 and not v["ok"], (v, err[-2000:])
     assert "MACs not swapped" in v["failures"][0], v
     assert "VerifyFailed" in err
+
+
+def _checker(count, ledger=False):
+    """The receive check of a macfwd --count --verify run (_Loop._check) over a pool of its own, and a function that
+    puts frames there as a macswap backend returns them: (sequence field, whole u64) -> buffer index."""
+    import numpy as np
+
+    from virtio import packets
+    from virtio._net import ffi
+    from virtio.app import DriverConfig, _Loop
+    from virtio.ledger import Ledger
+    from virtio.net import HEADROOM
+    from virtio.pool import BufferPool, pool_stride
+
+    pool = BufferPool(bytearray(16 * pool_stride(2048)), 0x1000, 16, 2048, HEADROOM)
+    loop = _Loop.__new__(_Loop)
+    loop.cfg = DriverConfig("", mode="macfwd", count=count, verify=True)
+    loop.nq = type("NQ", (), {"pool": pool})()
+    loop.tmpl = packets.template(64)
+    loop.plen = len(loop.tmpl)
+    loop.p_tmpl = ffi.cast("uint8_t *", ffi.from_buffer(loop.tmpl))
+    loop.idx, loop.lens, loop.seqs = np.zeros(16, np.uint32), np.full(16, 64, np.uint32), np.zeros(16, np.uint64)
+    loop.p_idx = ffi.cast("uint32_t *", ffi.from_buffer(loop.idx))
+    loop.p_lens = ffi.cast("uint32_t *", ffi.from_buffer(loop.lens))
+    loop.p_seqs = ffi.cast("uint64_t *", ffi.from_buffer(loop.seqs))
+    loop.bad, loop.seen, loop.ledger = 0, np.zeros(count, np.int64), Ledger(count) if ledger else None
+
+    def back(field):
+        f = bytearray(bytes(loop.tmpl))
+        f[0:6], f[6:12] = bytes(loop.tmpl[6:12]), bytes(loop.tmpl[0:6])   # what macswap sends back
+        f[packets.SEQ_OFF:packets.SEQ_OFF + 8] = field.to_bytes(8, "little")
+        (b,) = pool.alloc(1)
+        pool.write(b, bytes(f))
+        return b
+    return loop, back
+
+
+def test_verify_counts_a_frame_whose_sequence_field_high_half_changed_as_bad():
+    """Without --reconnect/--server no lap is written: the sequence field's high 32 bits stay 0 as vn_gen wrote them.
+    vn_check leaves the whole field to the sequence check, which looked at the low half only: a backend that changed
+    bytes 54..57 of every frame passed (ok true, exit 0). An intact frame whose field is all ones (VN_SEQ_BAD's value)
+    is bad too, and counted once."""
+    loop, back = _checker(8)
+    frames = [back(3), back(5 | 1 << 32), back(0xFFFFFFFFFFFFFFFF), back(9)]   # good, lap changed, all ones, >= count
+    loop.idx[:4] = frames
+    loop._check(4)
+    assert loop.bad == 3 and list(loop.seen) == [0, 0, 0, 1, 0, 0, 0, 0]
+    # a resilient run writes laps: there the ledger judges them (a wrong one is a copy, dropped and counted)
+    loop, back = _checker(8, ledger=True)
+    loop.idx[:2] = [back(3 | 2 << 32), back(5 | 1 << 32)]
+    loop._check(2)
+    assert loop.bad == 0 and list(loop.seen) == [0, 0, 0, 1, 0, 1, 0, 0]

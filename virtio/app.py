@@ -422,14 +422,20 @@ class _Loop:
         if not self.cfg.verify or n == 0:
             return
         c = self.cfg
-        self.bad += lib.vn_check(self.nq.pool.c, self.p_idx, self.p_lens, n, self.p_tmpl, self.plen,
-                                 int(c.mode != "rxonly"), packets.SEQ_OFF, packets.TS_OFF, self.p_seqs)
-        if self.seen is not None:   # a bad frame (SEQ_BAD) counts once, by vn_check, and is not seen
-            good = self.seqs[:n] != SEQ_BAD
-            s = self.seqs[:n] & SEQ_MASK
-            ok = good & (s < len(self.seen))
-            self.bad += int((good & ~ok).sum())   # intact, but with a sequence number never sent
-            np.add.at(self.seen, s[ok].astype(np.int64), 1)
+        bad = lib.vn_check(self.nq.pool.c, self.p_idx, self.p_lens, n, self.p_tmpl, self.plen,
+                           int(c.mode != "rxonly"), packets.SEQ_OFF, packets.TS_OFF, self.p_seqs)
+        if self.seen is None:
+            self.bad += bad
+            return
+        # a bad frame (SEQ_BAD) counts once and is not seen; nor is an intact one with a sequence number never sent,
+        # or, with no ledger writing laps, a high half that is not vn_gen's 0
+        s = self.seqs[:n]
+        ok = (s & SEQ_MASK) < len(self.seen)
+        if self.ledger is None:
+            ok &= (s >> 32) == 0
+        self.bad += int((~ok).sum())
+        s[~ok] = SEQ_BAD   # not counted at the end either (_drain_rx)
+        np.add.at(self.seen, (s[ok] & SEQ_MASK).astype(np.int64), 1)
 
     # -- loops
 
