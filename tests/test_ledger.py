@@ -117,3 +117,29 @@ def test_a_bad_frame_has_no_sequence_number():
     led = Ledger(8)
     led.laps[0], led.laps[7] = 3, 2   # frame 0 on its third lap: a seq of 0 with lap 0 would be an old copy
     assert led.dedupe(pool, idx, lens, seqs, 2, advance=False) == 2 and led.duplicates == 0
+
+
+def test_a_copy_with_no_restart_to_explain_it_fails_the_verdict():
+    """In a resilient run copies are expected only from a restart (the successor takes again chains already
+    delivered); the ledger dropped every copy silently, so a backend that sent frames twice with no restart at all
+    passed `vring driver --reconnect --verify` (ok true, exit 0, only verify.duplicates said so)."""
+    from virtio.app import verify_failures
+    pool = BufferPool(bytearray(8 * pool_stride(2048)), 0x1000, 8, 2048, HEADROOM)
+    frame = bytearray(packets.template(64))
+    frame[packets.SEQ_OFF:packets.SEQ_OFF + 8] = (3).to_bytes(8, "little")
+    for restarts in ([], [{"gone_t": 0.0}]):
+        led = Ledger(4)
+        a, b = received(pool, bytes(frame), 2048 - HEADROOM), received(pool, bytes(frame), 2048 - HEADROOM)
+        lens = np.array([64, 64], np.uint32)
+        idx, seqs = np.array([a, b], np.uint32), np.array([3, 3], np.uint64)   # a frame and its copy, one burst
+        assert led.dedupe(pool, idx, lens, seqs, 2, restart=restarts[-1] if restarts else None) == 1
+        led.count_final(seqs, 1)
+        v = {"bad": 0, "missing": 0, **led.summary(restarts, 0, 0, np.array([0, 0, 0, 1], bool))}
+        assert v["duplicates"] == 1 and v["population"]["absent"] == 0
+        if restarts:   # the restart's own copy: expected
+            assert v["duplicates_without_restart"] == 0 and verify_failures(v) == []
+        else:
+            assert v["duplicates_without_restart"] == 1
+            assert verify_failures(v) == ["1 duplicate(s) with no backend restart to explain them: the backend "
+                                          "sent a frame twice"]
+        pool.free(idx[:1])

@@ -277,6 +277,9 @@ def verify_failures(v, at_end=True):
     missing = v.get("missing", 0)
     if missing:
         out.append(f"{missing} frame(s) sent never came back intact")
+    alone = v.get("duplicates_without_restart", 0)
+    if alone:
+        out.append(f"{alone} duplicate(s) with no backend restart to explain them: the backend sent a frame twice")
     pop = v.get("population")
     if pop is not None and at_end:
         late = pop["absent"] - missing
@@ -762,7 +765,8 @@ class _Loop:
             self._check(n)
             self._cap(self.idx[:n])
             if self.ledger is not None:   # what came back at the end (copies counted, not kept)
-                n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n, advance=False)
+                n = self.ledger.dedupe(self.nq.pool, self.idx, self.lens, self.seqs, n, advance=False,
+                                       restart=self.reconnects[-1] if self.reconnects else None)
                 self.ledger.count_final(self.seqs, n)
             elif self.final is not None:
                 s = (self.seqs[:n] & SEQ_MASK).astype(np.int64)

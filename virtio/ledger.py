@@ -100,10 +100,12 @@ class Ledger:
             r.setdefault("lost", 0)
             r.setdefault("duplicates", 0)
         lost = self.final == 0 if sent is None else sent & (self.final == 0)
+        # copies are a restart's (its successor took again chains already delivered): any other is the backend's
+        alone = self.duplicates - sum(r["duplicates"] for r in restarts)
         for seq in np.flatnonzero(lost):
             k = int(np.searchsorted(gone, self.last_seen[seq]))
             if k < len(restarts):
                 restarts[k]["lost"] += 1
-        return {"duplicates": self.duplicates,
+        return {"duplicates": self.duplicates, "duplicates_without_restart": alone,
                 "population": {"copies": copies, "present": present, "absent": int(lost.sum()),
                                "extra": copies - present, "tx_inflight": tx_inflight, "held": held}}
