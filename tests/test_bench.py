@@ -333,3 +333,23 @@ def test_two_speed_regimes_are_compared_within_each():
             rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [16.5e6, 16e6, 15.8e6])]
     ours, ref = bench.aggregate(cfg, runs)
     assert ours["regimes"] is not None and ref["regimes"] is None and "by_regime" not in ours["vs_dpdk"]
+
+
+def test_seconds_without_traffic_are_in_no_speed_regime():
+    """A second that moved nothing (0 pps: a stall) is no machine speed: speed_regimes leaves it out, and so must
+    the split of the samples, where it sat in 'slow' (its count and median; a stalled dpdk/dpdk repeat made the slow
+    median 0 and aggregate() die on a division by zero at the end of the run, the table and JSON lost)."""
+    cfg = bench.BenchConfig(pairs=["ours/dpdk", "dpdk/dpdk"], paths=["packed-normal"], repeat=3)
+
+    def rec(pair, rep, samples):
+        return {"pair": pair, "path": "packed-normal", "pkt_size": 64, "repeat": rep,
+                "rate": {"pps_median": statistics.median(samples), "samples_pps": samples},
+                "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "-"},
+                "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
+    runs = [rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), rec("dpdk/dpdk", 0, [0, 0, 0, 0, 0]),
+            rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6]),
+            rec("ours/dpdk", 2, [17.0e6, 9.2e6, 17.4e6]), rec("dpdk/dpdk", 2, [16e6, 16e6, 16e6])]
+    ours, ref = bench.aggregate(cfg, runs)
+    assert ref["regimes"]["slow"] == {"samples": 3, "median": 10_000_000}
+    assert ref["regimes"]["fast"] == {"samples": 3, "median": 16_000_000}
+    assert ours["vs_dpdk"]["by_regime"] == {"slow": 0.955, "fast": 1.075}

@@ -983,6 +983,7 @@ def speed_regimes(samples):
 
 
 def _by_regime(samples, threshold):
+    samples = [x for x in samples if x and x > 0]   # as speed_regimes: a second that moved nothing is no speed
     out = {}
     for name, mine in (("slow", [x for x in samples if x < threshold]),
                        ("fast", [x for x in samples if x >= threshold])):
