@@ -72,6 +72,7 @@ IDLE_MARK = "vring driver: idle for"   # what our driver prints when its idle in
 NOISY = 0.10                           # other work on the pinned CPUs above this share: the point is flagged
 REGIME_GAP = 1.4                       # two clusters of rate samples this far apart are two machine speeds
 REGIME_MIN = 3                         # samples each of the two regimes needs for a split
+REGIME_APART = 2.0                     # ... and their centres this many times their spreads (sd, summed) apart
 
 
 class BenchError(RuntimeError):
@@ -963,8 +964,9 @@ def speed_regimes(samples):
     do not show two. Some machines (a shared VM: seen here, two speeds about 2x apart, switching every few
     seconds) run whole seconds at one speed or the other, whatever runs on them; a median over runs that caught
     different regimes compares the machine, not the pairs. Two-means on the log of the rates; two regimes when the
-    two centres are at least REGIME_GAP apart and each holds REGIME_MIN samples. A pair whose samples all fell in
-    one regime cannot say which one: it gets no split."""
+    two centres are at least REGIME_GAP apart, each holds REGIME_MIN samples and the centres are REGIME_APART times
+    the clusters' spreads apart (a wide unimodal spread splits into halves REGIME_GAP apart too, about 1.3 spreads).
+    A pair whose samples all fell in one regime cannot say which one: it gets no split."""
     xs = sorted(math.log(x) for x in samples if x and x > 0)
     if len(xs) < 2 * REGIME_MIN or xs[-1] - xs[0] < math.log(REGIME_GAP):
         return None
@@ -977,7 +979,10 @@ def speed_regimes(samples):
             break
         lo, hi = new
     t = (lo + hi) / 2
-    if hi - lo < math.log(REGIME_GAP) or min(sum(x < t for x in xs), sum(x >= t for x in xs)) < REGIME_MIN:
+    a, b = [x for x in xs if x < t], [x for x in xs if x >= t]
+    if hi - lo < math.log(REGIME_GAP) or min(len(a), len(b)) < REGIME_MIN:
+        return None
+    if hi - lo < REGIME_APART * (statistics.pstdev(a) + statistics.pstdev(b)):
         return None
     return math.exp(t)
 
