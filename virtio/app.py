@@ -284,7 +284,8 @@ def verify_failures(v, at_end=True):
     if pop is not None and at_end:
         late = pop["absent"] - missing
         if late > 0:
-            out.append(f"{late} frame(s) came back during the run but not at the end (lost late)")
+            out.append(f"{late} frame(s) came back during the run but not at the end (lost late, or held by the "
+                       f"backend longer than --drain)")
         if pop["extra"]:
             out.append(f"{pop['extra']} extra {'copy' if pop['extra'] == 1 else 'copies'} at the end: a frame came "
                        f"back more than once")
