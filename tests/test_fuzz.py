@@ -1,6 +1,7 @@
 """The fuzz targets of fuzz/ (issue 8): listed, their seeds reach the states they were written for, the committed
 seed corpora are what the targets generate, and each target runs ~10^4 executions under ASan + UBSan without a
 finding (the long runs, >= 10^6 executions each, are fuzz/run.py's job, not CI's)."""
+import functools
 import importlib
 import os
 import shutil
@@ -91,6 +92,7 @@ def test_frontend_replies_seeds_complete_a_session(targets):
         assert sorted(fe.vring_bases) == [0, 1]
 
 
+@functools.lru_cache(maxsize=None)
 def _skip_reason():
     try:
         import atheris  # noqa: F401
@@ -98,6 +100,11 @@ def _skip_reason():
         return "atheris is not installed (pip install -e '.[test]')"
     if shutil.which("clang") is None:
         return "clang is not installed (.ci/run installs it)"
+    r = subprocess.run(["clang", "-x", "c", "-fsanitize=address,undefined", "-o", os.devnull, "-"],
+                       input="int main(void) { return 0; }", capture_output=True, text=True)
+    if r.returncode:
+        return ("clang cannot link the sanitizers' runtime (Debian: libclang-rt-N-dev; .ci/run installs it): "
+                + (r.stderr.strip().splitlines() or ["?"])[0])
     return None
 
 

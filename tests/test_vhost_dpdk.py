@@ -82,6 +82,8 @@ def test_client_mode_against_virtio_user_server(tmp_path):
         tp.close()
     info = f"testpmd final {fin.as_dict()}\nours {ours}\nbackend log tail:\n{log[-2000:]}"
     assert mid.rx_packets - first.rx_packets > 10_000, info
-    assert ours["txq1"]["tx_packets"] == fin.ports[0].tx_packets, info
+    # all testpmd sent, but for a last burst still in the Tx ring when it disabled the queues (as above)
+    left = fin.ports[0].tx_packets - ours["txq1"]["tx_packets"]
+    assert 0 <= left <= 32 and fin.ports[0].tx_bytes - ours["txq1"]["tx_bytes"] == 64 * left, info
     assert ours["rxq0"]["rx_dropped"] == 0 and ours["refused"] == 0 and ours["ring_errors"] == 0, info
     assert " ERROR " not in log, info
