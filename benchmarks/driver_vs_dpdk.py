@@ -7,7 +7,10 @@ testpmd) forwards on CPU 1 and primes the loop with one burst (``--count 32`` / 
 ``--tx-first-bursts N``). Both are
 measured the same way, at the net_vhost port: its RX-packets counter sampled every PERIOD seconds, the first
 WARMUP samples dropped, the median of the rest reported. With ``--rounds N`` each path is measured N times
-(alternating ours / DPDK) and the median of the per-round medians is reported.
+(alternating ours / DPDK) and the median of the per-round medians is reported. On a machine that runs at two
+speeds (vring.bench.speed_regimes), each driver's 1-second samples over all rounds are split into its slow and fast
+regime, and the two drivers are compared within each (``regimes``): many short rounds (``--rounds 8 --seconds 4``)
+catch both.
 
 Which side limits the loop: net_vhost runs with ``--record-burst-stats``; its forwarding statistics are cleared after
 the warm-up, and the share of its polls that found nothing (``net_vhost_bursts``: RX = dequeues from the driver's Tx
@@ -35,6 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vring import dpdk  # noqa: E402
+from vring.bench import speed_regimes  # noqa: E402
 
 PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (True, False),
          "packed-inorder": (True, True)}
@@ -115,6 +119,24 @@ def measure_dpdk(tp, packed, in_order, args):
         v.close()
 
 
+def regimes(rounds):
+    """Each driver's samples over all rounds, split into its own slow and fast regime when it shows two: the
+    median in each, and ours / DPDK's within each regime where both split."""
+    out = {}
+    for who in ("vring_driver", "dpdk_virtio_user"):
+        xs = [x for r in rounds for x in r[who]["samples"] if x > 0]
+        t = speed_regimes(xs)
+        out[who] = None if t is None else {
+            "threshold_pps": round(t), "slow": {"samples": sum(x < t for x in xs),
+                                                "median_pps": round(statistics.median([x for x in xs if x < t]))},
+            "fast": {"samples": sum(x >= t for x in xs),
+                     "median_pps": round(statistics.median([x for x in xs if x >= t]))}}
+    ours, theirs = out["vring_driver"], out["dpdk_virtio_user"]
+    out["ratio"] = None if ours is None or theirs is None else {
+        k: round(ours[k]["median_pps"] / theirs[k]["median_pps"], 3) for k in ("slow", "fast")}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
@@ -155,9 +177,13 @@ def main():
                                         .get("0", float("nan")) for r in rounds)
                  for who in ("vring_driver", "dpdk_virtio_user")}
         out["paths"][name]["net_vhost_empty_dequeue_share"] = empty
+        out["paths"][name]["regimes"] = regimes(rounds)
         print(f"{name}: vring driver {o / 1e6:.3f} Mpps, DPDK virtio_user {d / 1e6:.3f} Mpps, "
               f"ratio {o / d if d else float('nan'):.3f}; net_vhost's dequeues found nothing in "
-              f"{empty['vring_driver']:.0%} / {empty['dpdk_virtio_user']:.0%} of its polls", file=sys.stderr)
+              f"{empty['vring_driver']:.0%} / {empty['dpdk_virtio_user']:.0%} of its polls"
+              + (f"; within speed regimes: slow {out['paths'][name]['regimes']['ratio']['slow']:.3f}, fast "
+                 f"{out['paths'][name]['regimes']['ratio']['fast']:.3f}" if out["paths"][name]["regimes"]["ratio"]
+                 else ""), file=sys.stderr)
     print(json.dumps(out, indent=1))
 
 
