@@ -38,7 +38,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vring import dpdk  # noqa: E402
-from vring.bench import speed_regimes  # noqa: E402
+from vring.bench import by_regime, speed_regimes  # noqa: E402
 
 PATHS = {"split": (False, False), "split-inorder": (False, True), "packed": (True, False),
          "packed-inorder": (True, True)}
@@ -124,16 +124,12 @@ def regimes(rounds):
     median in each, and ours / DPDK's within each regime where both split."""
     out = {}
     for who in ("vring_driver", "dpdk_virtio_user"):
-        xs = [x for r in rounds for x in r[who]["samples"] if x > 0]
+        xs = [x for r in rounds for x in r[who]["samples"]]
         t = speed_regimes(xs)
-        out[who] = None if t is None else {
-            "threshold_pps": round(t), "slow": {"samples": sum(x < t for x in xs),
-                                                "median_pps": round(statistics.median([x for x in xs if x < t]))},
-            "fast": {"samples": sum(x >= t for x in xs),
-                     "median_pps": round(statistics.median([x for x in xs if x >= t]))}}
+        out[who] = None if t is None else {"threshold_pps": round(t), **by_regime(xs, t)}
     ours, theirs = out["vring_driver"], out["dpdk_virtio_user"]
     out["ratio"] = None if ours is None or theirs is None else {
-        k: round(ours[k]["median_pps"] / theirs[k]["median_pps"], 3) for k in ("slow", "fast")}
+        k: round(ours[k]["median"] / theirs[k]["median"], 3) for k in ("slow", "fast")}
     return out
 
 

@@ -298,6 +298,14 @@ def test_table_and_plot_from_a_result(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def _rec(pair, rep, samples):
+    """A packed-normal run record of a pair with these rate samples (the speed-regime tests)."""
+    return {"pair": pair, "path": "packed-normal", "pkt_size": 64, "repeat": rep,
+            "rate": {"pps_median": statistics.median(samples), "samples_pps": samples},
+            "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "-"},
+            "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
+
+
 def test_two_speed_regimes_are_compared_within_each():
     """A machine that runs at two speeds (a shared VM here: about 2x apart, switching every few seconds): a run
     that caught the fast one beside one that caught the slow one says nothing about the pairs. A pair whose own
@@ -309,14 +317,9 @@ def test_two_speed_regimes_are_compared_within_each():
     assert 10e6 < t < 16e6
     cfg = bench.BenchConfig(pairs=["ours/dpdk", "dpdk/dpdk"], paths=["packed-normal"], repeat=2)
 
-    def rec(pair, rep, samples):
-        return {"pair": pair, "path": "packed-normal", "pkt_size": 64, "repeat": rep,
-                "rate": {"pps_median": statistics.median(samples), "samples_pps": samples},
-                "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "-"},
-                "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
     # repeat 0: ours slow, dpdk fast; repeat 1: the other way round. Same-repeat ratios 0.56 and 1.79
-    runs = [rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), rec("dpdk/dpdk", 0, [16e6, 16e6, 16e6]),
-            rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6])]
+    runs = [_rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), _rec("dpdk/dpdk", 0, [16e6, 16e6, 16e6]),
+            _rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), _rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6])]
     ours, ref = bench.aggregate(cfg, runs)
     assert ours["regimes"]["slow"] == {"samples": 3, "median": 9_600_000}
     assert ref["regimes"]["fast"] == {"samples": 3, "median": 16_000_000}
@@ -324,14 +327,14 @@ def test_two_speed_regimes_are_compared_within_each():
     table = bench.format_table({"points": [ours, ref], "config": {}, "errors": []})
     assert "two speed regimes" in table and "0.960" in table and "1.075" in table
     # pairs that simply run at different rates, each at one speed: pooled they would look like two regimes
-    runs = [rec("ours/dpdk", 0, [29e6, 28e6, 30e6]), rec("dpdk/dpdk", 0, [10e6, 10.5e6, 11e6]),
-            rec("ours/dpdk", 1, [28.5e6, 29.5e6, 29e6]), rec("dpdk/dpdk", 1, [10.2e6, 10.8e6, 10.4e6])]
+    runs = [_rec("ours/dpdk", 0, [29e6, 28e6, 30e6]), _rec("dpdk/dpdk", 0, [10e6, 10.5e6, 11e6]),
+            _rec("ours/dpdk", 1, [28.5e6, 29.5e6, 29e6]), _rec("dpdk/dpdk", 1, [10.2e6, 10.8e6, 10.4e6])]
     ours, ref = bench.aggregate(cfg, runs)
     assert ours["regimes"] is None and ref["regimes"] is None and "by_regime" not in ours["vs_dpdk"]
     assert "two speed regimes" not in bench.format_table({"points": [ours, ref], "config": {}, "errors": []})
     # dpdk/dpdk at one speed only: which regime it was in is unknown, so no ratio within regimes
-    runs = [rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), rec("dpdk/dpdk", 0, [16e6, 16e6, 16e6]),
-            rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [16.5e6, 16e6, 15.8e6])]
+    runs = [_rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), _rec("dpdk/dpdk", 0, [16e6, 16e6, 16e6]),
+            _rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), _rec("dpdk/dpdk", 1, [16.5e6, 16e6, 15.8e6])]
     ours, ref = bench.aggregate(cfg, runs)
     assert ours["regimes"] is not None and ref["regimes"] is None and "by_regime" not in ours["vs_dpdk"]
 
@@ -342,14 +345,9 @@ def test_seconds_without_traffic_are_in_no_speed_regime():
     median 0 and aggregate() die on a division by zero at the end of the run, the table and JSON lost)."""
     cfg = bench.BenchConfig(pairs=["ours/dpdk", "dpdk/dpdk"], paths=["packed-normal"], repeat=3)
 
-    def rec(pair, rep, samples):
-        return {"pair": pair, "path": "packed-normal", "pkt_size": 64, "repeat": rep,
-                "rate": {"pps_median": statistics.median(samples), "samples_pps": samples},
-                "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "-"},
-                "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
-    runs = [rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), rec("dpdk/dpdk", 0, [0, 0, 0, 0, 0]),
-            rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6]),
-            rec("ours/dpdk", 2, [17.0e6, 9.2e6, 17.4e6]), rec("dpdk/dpdk", 2, [16e6, 16e6, 16e6])]
+    runs = [_rec("ours/dpdk", 0, [9.5e6, 9.6e6, 9.7e6]), _rec("dpdk/dpdk", 0, [0, 0, 0, 0, 0]),
+            _rec("ours/dpdk", 1, [17.0e6, 17.2e6, 17.4e6]), _rec("dpdk/dpdk", 1, [10e6, 10e6, 10e6]),
+            _rec("ours/dpdk", 2, [17.0e6, 9.2e6, 17.4e6]), _rec("dpdk/dpdk", 2, [16e6, 16e6, 16e6])]
     ours, ref = bench.aggregate(cfg, runs)
     assert ref["regimes"]["slow"] == {"samples": 3, "median": 10_000_000}
     assert ref["regimes"]["fast"] == {"samples": 3, "median": 16_000_000}

@@ -8,6 +8,7 @@
 * `vring driver --server`: the backend connects (`vring vhost --client`), is killed, a new one connects.
 * A killed DRIVER: the backend serves the next frontend.
 """
+import contextlib
 import json
 import os
 import signal
@@ -56,23 +57,31 @@ def _wait_socket(path, timeout=10.0):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("packed,in_order", PATHS)
-def test_kill9_inside_a_burst_loses_nothing(tmp_path, packed, in_order):
-    sock = str(tmp_path / "vh.sock")
-    be_cpu, drv_cpu = _cpus()
+@contextlib.contextmanager
+def _crashing_backend(sock, be_cpu):
+    """`vring vhost --crash-after 50` on ``sock``: the block starts the driver; the backend must then die by itself
+    (SIGKILL, mid-burst). Killed and reaped whatever happens."""
     crash = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--crash-after", "50", "--socket", sock,
                               "--pin", str(be_cpu)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
     try:
         _wait_socket(sock)
-        drv = _driver(sock, "--reconnect", "--verify", "--mode", "macfwd", "--count", "256", "--seconds", "2.5",
-                      "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
-                      pin=drv_cpu)
+        yield
         assert crash.wait(20) == 9, crash.stderr.read()[-2000:]   # died by itself, mid-burst
     finally:
         if crash.poll() is None:
             crash.kill()
             crash.wait()
         crash.stderr.close()
+
+
+@pytest.mark.parametrize("packed,in_order", PATHS)
+def test_kill9_inside_a_burst_loses_nothing(tmp_path, packed, in_order):
+    sock = str(tmp_path / "vh.sock")
+    be_cpu, drv_cpu = _cpus()
+    with _crashing_backend(sock, be_cpu):
+        drv = _driver(sock, "--reconnect", "--verify", "--mode", "macfwd", "--count", "256", "--seconds", "2.5",
+                      "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
+                      pin=drv_cpu)
     with VhostProcess(sock, "--fwd", "macswap", pin=be_cpu, verbose=True) as be:
         res, events, err = _finish(drv)
         ours = be.stop()
@@ -129,18 +138,9 @@ def test_kill9_inside_a_burst_of_jumbo_frames_loses_nothing(tmp_path, packed):
     room for a copy of each (check_injected warns past it: with 48, 13 were dropped on the restart)."""
     sock = str(tmp_path / "vh.sock")
     be_cpu, drv_cpu = _cpus()
-    crash = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--crash-after", "50", "--socket", sock,
-                              "--pin", str(be_cpu)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
-    try:
-        _wait_socket(sock)
+    with _crashing_backend(sock, be_cpu):
         drv = _driver(sock, "--reconnect", "--verify", "--mode", "macfwd", "--count", "25", "--pkt-size", "9000",
                       "--seconds", "2.5", "--packed" if packed else "--split", pin=drv_cpu)
-        assert crash.wait(20) == 9, crash.stderr.read()[-2000:]
-    finally:
-        if crash.poll() is None:
-            crash.kill()
-            crash.wait()
-        crash.stderr.close()
     with VhostProcess(sock, "--fwd", "macswap", pin=be_cpu) as be:
         res, _, err = _finish(drv)
         ours = be.stop()

@@ -41,7 +41,7 @@ from ._net import ffi, lib
 from .frontend import want_features
 from rings.ctl import ControlServer
 
-from .ledger import SEQ_BAD, SEQ_MASK, Ledger
+from .ledger import SEQ_BAD, SEQ_MASK, Ledger, count_seqs, population
 from .net import PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, frame_segments
 from .session import Session
 
@@ -772,8 +772,7 @@ class _Loop:
                                        restart=self.reconnects[-1] if self.reconnects else None)
                 self.ledger.count_final(self.seqs, n)
             elif self.final is not None:
-                s = (self.seqs[:n] & SEQ_MASK).astype(np.int64)
-                np.add.at(self.final, s[s < len(self.final)], 1)
+                count_seqs(self.final, self.seqs[:n])
             lib.vn_pool_free(self.nq.pool.c, self.p_idx, n)
             self.drained += n
         return n
@@ -801,11 +800,7 @@ class _Loop:
             if self.ledger is not None:
                 v.update(self.ledger.summary(self.reconnects, int(nq.tx.inflight), self.held_end, self.sent_seq))
             elif self.final is not None:
-                present = int((self.final > 0).sum())
-                copies = int(self.final.sum())
-                v["population"] = {"copies": copies, "present": present,
-                                   "absent": int((self.sent_seq & (self.final == 0)).sum()),
-                                   "extra": copies - present}
+                v["population"] = population(self.final, self.sent_seq)[0]
             if self.drain_cut:
                 v["drain_cut"] = True
             v["failures"] = verify_failures(v, self.cfg.drain > 0 and not self.drain_cut)

@@ -21,6 +21,20 @@ SEQ_MASK = 0xFFFFFFFF
 SEQ_BAD = 0xFFFFFFFFFFFFFFFF   # vn_check's seqs entry for a bad frame (VN_SEQ_BAD): its seq is never tracked
 
 
+def count_seqs(counts, seqs):
+    """counts[seq] += 1 for each sequence number in ``seqs`` (vn_check's u64s); out of range (SEQ_BAD) skipped."""
+    s = (seqs & SEQ_MASK).astype(np.int64)
+    np.add.at(counts, s[s < len(counts)], 1)
+
+
+def population(final, sent=None):
+    """What came back at the end (``final``: arrivals per sequence number while draining), against ``sent`` (which
+    went out; default all): the population, and the mask of the absent ones."""
+    present, copies = int((final > 0).sum()), int(final.sum())
+    lost = final == 0 if sent is None else sent & (final == 0)
+    return {"copies": copies, "present": present, "absent": int(lost.sum()), "extra": copies - present}, lost
+
+
 class Ledger:
     def __init__(self, count):
         self.laps = np.zeros(count, np.uint32)        # the current lap of each sequence number
@@ -87,19 +101,16 @@ class Ledger:
         return n
 
     def count_final(self, seqs, n):
-        s = (seqs[:n] & SEQ_MASK).astype(np.int64)
-        np.add.at(self.final, s[s < len(self.final)], 1)
+        count_seqs(self.final, seqs[:n])
 
     def summary(self, restarts, tx_inflight, held, sent=None):
         """The population at the end, and each restart's losses (``restarts``: the loop's records, updated).
         ``sent``: which sequence numbers went out (default all); one never sent is not absent."""
-        present = int((self.final > 0).sum())
-        copies = int(self.final.sum())
+        pop, lost = population(self.final, sent)
         gone = [r["gone_t"] for r in restarts]
         for r in restarts:
             r.setdefault("lost", 0)
             r.setdefault("duplicates", 0)
-        lost = self.final == 0 if sent is None else sent & (self.final == 0)
         # copies are a restart's (its successor took again chains already delivered): any other is the backend's
         alone = self.duplicates - sum(r["duplicates"] for r in restarts)
         for seq in np.flatnonzero(lost):
@@ -107,5 +118,4 @@ class Ledger:
             if k < len(restarts):
                 restarts[k]["lost"] += 1
         return {"duplicates": self.duplicates, "duplicates_without_restart": alone,
-                "population": {"copies": copies, "present": present, "absent": int(lost.sum()),
-                               "extra": copies - present, "tx_inflight": tx_inflight, "held": held}}
+                "population": {**pop, "tx_inflight": tx_inflight, "held": held}}

@@ -210,18 +210,17 @@ def check_injected(count, frame_len, features, size, buf_size=2048, headroom=HEA
     per_frame = 1
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
         per_frame = rx_buffers(frame_len, features, buf_size, headroom)
-    holds = size // per_frame
-    if count > holds:
+    rx_holds, tx_holds = size // per_frame, size // tx_slots
+    if count > rx_holds:
         how = f"{per_frame} Rx buffers a {frame_len}-byte frame, " if per_frame > 1 else ""
-        raise ConfigError(f"{count} frames injected, but the Rx ring holds {holds} ({size} entries, {how}buffer "
-                          f"size {buf_size}): the device would drop {count - holds} of them; inject at most "
-                          f"{holds}, or use a larger ring" + (" or buffer size" if per_frame > 1 else ""))
-    holds = size // tx_slots
-    if count > holds:
-        raise ConfigError(f"{count} frames injected, but the Tx ring holds {holds} ({size} entries, {tx_slots} "
-                          f"descriptors a {frame_len}-byte frame): the driver would drop {count - holds} of them "
-                          f"when they are all to go out at once; inject at most {holds}, or use a larger ring")
-    rx_holds, at_once = size // per_frame, min(2 * count, holds)   # copies take Tx slots too
+        raise ConfigError(f"{count} frames injected, but the Rx ring holds {rx_holds} ({size} entries, {how}buffer "
+                          f"size {buf_size}): the device would drop {count - rx_holds} of them; inject at most "
+                          f"{rx_holds}, or use a larger ring" + (" or buffer size" if per_frame > 1 else ""))
+    if count > tx_holds:
+        raise ConfigError(f"{count} frames injected, but the Tx ring holds {tx_holds} ({size} entries, {tx_slots} "
+                          f"descriptors a {frame_len}-byte frame): the driver would drop {count - tx_holds} of them "
+                          f"when they are all to go out at once; inject at most {tx_holds}, or use a larger ring")
+    at_once = min(2 * count, tx_holds)   # copies take Tx slots too
     if restarts and at_once > rx_holds:
         return [f"{count} frames injected and, after a backend restart, up to {at_once - count} copies of them taken "
                 f"again (inflight tracking: chains delivered and not completed) take {at_once} frames' room, but the "

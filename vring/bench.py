@@ -987,7 +987,8 @@ def speed_regimes(samples):
     return math.exp(t)
 
 
-def _by_regime(samples, threshold):
+def by_regime(samples, threshold):
+    """Samples and median in the slow (< threshold) and fast regime (speed_regimes)."""
     samples = [x for x in samples if x and x > 0]   # as speed_regimes: a second that moved nothing is no speed
     out = {}
     for name, mine in (("slow", [x for x in samples if x < threshold]),
@@ -1065,7 +1066,7 @@ def aggregate(cfg: BenchConfig, records):
         mine = samples[_pkey(p)]
         threshold = speed_regimes(mine)
         p["regimes"] = None if threshold is None else {"threshold_pps": round(threshold),
-                                                       **_by_regime(mine, threshold)}
+                                                       **by_regime(mine, threshold)}
     for p in points:
         ref = by_key.get(_pkey(p)[:-1] + ("dpdk/dpdk",))
         if p["regimes"] and p["vs_dpdk"] is not None and ref is not None and ref["regimes"]:
