@@ -19,8 +19,14 @@ same share of empty polls with both drivers and fewer packets with ours means mo
 share of polls, not of time: an empty poll costs far less than a full burst. The two drivers run one after the other,
 so on a machine whose speed changes between runs compare them with `vring bench --pairs ours/dpdk,dpdk/dpdk`.
 
+Where net_vhost's time goes (``--perf``): ``perf record -e cpu-clock`` on its forwarding CPU over each measurement
+(a software clock: no PMU is needed, so it works in a VM), reported per driver as the share of samples and the
+nanoseconds per forwarded packet in each shared object, and the hottest instructions (Debian's DPDK has no symbols
+for its static functions: those show as addresses; ``objdump -d`` of the library shows them).
+
     python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
     python benchmarks/driver_vs_dpdk.py --paths split --driver-arg=--tx-hdr=chain    # our header in its own descriptor
+    python benchmarks/driver_vs_dpdk.py --rounds 2 --tx-first-bursts 8 --perf         # net_vhost's profile per driver
 
 Prints one JSON document. Not a test.
 """
@@ -63,6 +69,54 @@ def device_bursts(tp, warmup_s):
     return lambda: parse_bursts(tp.command("show fwd stats all"))
 
 
+def perf_skip_reason():
+    """Why --perf cannot run here ('' when it can): perf missing, or not allowed to sample a CPU."""
+    if shutil.which("perf") is None:
+        return "--perf needs perf (apt-get install -y linux-perf)"
+    with tempfile.TemporaryDirectory(prefix="vring-perf-") as tmp:
+        p = subprocess.run(["perf", "record", "-q", "-C", "0", "-e", "cpu-clock", "-o", os.path.join(tmp, "probe"),
+                            "--", "true"], capture_output=True, text=True)
+    return f"--perf: perf cannot sample CPU 0: {p.stderr.strip()[-300:]}" if p.returncode else ""
+
+
+class DeviceProfile:
+    """cpu-clock samples of net_vhost's forwarding CPU (``perf record -C``) while one driver is measured."""
+
+    def __init__(self, cpu, seconds, tmp):
+        self.path = os.path.join(tmp, f"perf-{time.monotonic_ns()}.data")
+        self.proc = subprocess.Popen(["perf", "record", "-q", "-C", str(cpu), "-e", "cpu-clock", "-F", "4999",
+                                      "-o", self.path, "--", "sleep", str(seconds)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def close(self):
+        """Stop perf if the window ended early, and remove its data file."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.communicate()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def report(self, pps, top=8):
+        """Shares by shared object and the `top` hottest instructions; ns per packet from the measured rate."""
+        _, err = self.proc.communicate()
+        if self.proc.returncode:
+            raise RuntimeError(f"perf record failed: {err.strip()[-300:]}")
+        ns = 1e9 / pps if pps else float("nan")
+
+        def rows(sort):
+            out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "-q", "-n", "-t", ";", "--sort", sort],
+                                 capture_output=True, text=True, check=True).stdout
+            return [[f.strip() for f in line.split(";")] for line in out.splitlines() if line.count(";") >= 2]
+
+        by_dso = [{"dso": r[2], "share": float(r[0].rstrip("%")) / 100, "samples": int(r[1])} for r in rows("dso")]
+        for d in by_dso:
+            d["ns_per_packet"] = round(d["share"] * ns, 2)
+        hot = [{"dso": r[2], "where": r[3].removeprefix("[.] "), "share": float(r[0].rstrip("%")) / 100}
+               for r in rows("dso,sym")[:top]]
+        return {"samples": sum(d["samples"] for d in by_dso), "device_ns_per_packet": round(ns, 2),
+                "by_dso": by_dso, "hottest": hot}
+
+
 def sample(tp, seconds, period, warmup, alive=lambda: True):
     """Median of RX-packets deltas of net_vhost's port 0 (our clock) and of testpmd's own Rx-pps."""
     tps, own = tp.sample_rx(max(1, round(seconds / period)) + warmup, period, alive=alive)
@@ -70,6 +124,21 @@ def sample(tp, seconds, period, warmup, alive=lambda: True):
     return {"median_pps": round(statistics.median(kept)) if kept else 0,
             "testpmd_median_rx_pps": round(statistics.median(tkept)) if tkept else 0,
             "samples": [round(x) for x in kept]}
+
+
+def measure_window(tp, args, alive=lambda: True):
+    """After the warm-up: net_vhost's rate samples, its burst statistics and (--perf) its profile, over one window."""
+    bursts = device_bursts(tp, args.warmup * args.period)
+    prof = DeviceProfile(tp.fwd_cpu, args.seconds, os.path.dirname(tp.socket_path)) if args.perf else None
+    try:
+        r = sample(tp, args.seconds, args.period, 0, alive=alive)
+        r["net_vhost_bursts"] = bursts()
+        if prof:
+            r["net_vhost_profile"] = prof.report(statistics.mean(r["samples"]) if r["samples"] else 0)
+    finally:
+        if prof:
+            prof.close()
+    return r
 
 
 def measure_ours(tp, packed, in_order, args):
@@ -82,9 +151,7 @@ def measure_ours(tp, packed, in_order, args):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tp.wait_link_up(timeout=30)
-        bursts = device_bursts(tp, args.warmup * args.period)
-        r = sample(tp, args.seconds, args.period, 0, alive=lambda: proc.poll() is None)
-        r["net_vhost_bursts"] = bursts()
+        r = measure_window(tp, args, alive=lambda: proc.poll() is None)
         out, err = proc.communicate(timeout=total + 30)
         if proc.returncode:
             raise RuntimeError(f"vring driver failed: {err}")
@@ -111,10 +178,7 @@ def measure_dpdk(tp, packed, in_order, args):
             out = v.command(f"start tx_first {args.tx_first_bursts}")
             if "forwarding" not in out:
                 raise RuntimeError(f"testpmd did not start: {out[-300:]}")
-        bursts = device_bursts(tp, args.warmup * args.period)
-        r = sample(tp, args.seconds, args.period, 0)
-        r["net_vhost_bursts"] = bursts()
-        return r
+        return measure_window(tp, args)
     finally:
         v.close()
 
@@ -133,6 +197,17 @@ def regimes(rounds):
     return out
 
 
+def profile_summary(rounds, top=4):
+    """net_vhost's ns per packet in each of its busiest shared objects: the median over rounds, per driver."""
+    per = {who: {} for who in ("vring_driver", "dpdk_virtio_user")}
+    for r in rounds:
+        for who in per:
+            for d in r[who]["net_vhost_profile"]["by_dso"]:
+                per[who].setdefault(d["dso"], []).append(d["ns_per_packet"])
+    busiest = sorted(per["vring_driver"], key=lambda k: -statistics.median(per["vring_driver"][k]))[:top]
+    return {dso: {who: round(statistics.median(per[who].get(dso, [0.0])), 2) for who in per} for dso in busiest}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
@@ -145,9 +220,13 @@ def main():
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--driver-arg", action="append", default=[],
                     help="extra `vring driver` argument (repeat), e.g. --driver-arg=--spin=0")
+    ap.add_argument("--perf", action="store_true",
+                    help="profile net_vhost's forwarding CPU (perf cpu-clock) while each driver is measured")
     args = ap.parse_args()
     if dpdk.skip_reason():
         sys.exit(dpdk.skip_reason())
+    if args.perf and perf_skip_reason():
+        sys.exit(perf_skip_reason())
     out = {"config": vars(args), "paths": {}}
     for name in args.paths.split(","):
         packed, in_order = PATHS[name]
@@ -174,6 +253,10 @@ def main():
                  for who in ("vring_driver", "dpdk_virtio_user")}
         out["paths"][name]["net_vhost_empty_dequeue_share"] = empty
         out["paths"][name]["regimes"] = regimes(rounds)
+        if args.perf:
+            out["paths"][name]["net_vhost_ns_per_packet"] = prof = profile_summary(rounds)
+            print(f"{name}: net_vhost ns per packet (median over rounds), vring driver / DPDK virtio_user: " + ", ".join(
+                f"{dso} {v['vring_driver']:.1f} / {v['dpdk_virtio_user']:.1f}" for dso, v in prof.items()), file=sys.stderr)
         print(f"{name}: vring driver {o / 1e6:.3f} Mpps, DPDK virtio_user {d / 1e6:.3f} Mpps, "
               f"ratio {o / d if d else float('nan'):.3f}; net_vhost's dequeues found nothing in "
               f"{empty['vring_driver']:.0%} / {empty['dpdk_virtio_user']:.0%} of its polls"
