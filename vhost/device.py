@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 
 from rings import vhost_user as vu
-from rings.errors import ConfigError, RingError, ShmError, VringError
+from rings.errors import ConfigError, GuestMemoryFault, RingError, ShmError, VringError
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, QueueLayout, area_sizes, bit, feature_names, has)
@@ -468,7 +468,23 @@ class NetDevice:
                             "again first", v.index, again)
         return q, tracking
 
+    def shrunk_region(self):
+        """The index of a region whose file no longer covers our mapping of it (the frontend truncated it after
+        SET_MEM_TABLE: touching those pages is SIGBUS), or None. Only the C data path's entry points catch that
+        fault; the queue start (used index read, event suppression written) and the ring dumps look here first."""
+        for i, (_r, shm) in enumerate(self.regions):
+            try:
+                if os.fstat(shm.fileno()).st_size < shm.size:
+                    return i
+            except OSError:
+                return i
+        return None
+
     def _start(self):
+        shrunk = self.shrunk_region()
+        if shrunk is not None:
+            raise GuestMemoryFault(f"the frontend's memory shrank before the rings started: region {shrunk}'s "
+                                   f"file was truncated after SET_MEM_TABLE", side="device")
         (rx, rx_trk), (tx, tx_trk) = (self._queue(v) for v in self.vrings)
         if rx is None and tx is None:
             return

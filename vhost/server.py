@@ -195,6 +195,11 @@ class Server:
             return
         try:
             payload = self.device.handle(msg, value)
+        except GuestMemoryFault as e:   # the frontend truncated its memory: as in the data path, it is dropped
+            self.ring_errors += 1
+            log.error("dropping the frontend: %s: %s [%s]", type(e).__name__, e, e.spec)
+            self._drop(f"{type(e).__name__}: {e}")
+            return
         except Refused as e:
             self._refuse(msg, str(e))
             return
