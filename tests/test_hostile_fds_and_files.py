@@ -373,3 +373,39 @@ def test_vhost_survives_a_frontend_that_shrinks_its_memory_before_the_rings_star
     assert len(faults) == 1 and "shrank" in faults[0], log[-2000:]
     assert "Traceback" not in log
     assert final["connections"] == 2 and final["ring_errors"] == 1, final
+
+
+@pytest.mark.parametrize("queue", ["rx", "tx"])
+def test_blocking_call_eventfd_at_its_limit_does_not_hang_the_server(tmp_path, queue):
+    """A frontend handed over call eventfds made without EFD_NONBLOCK and filled their counters to the limit
+    (0xfffffffffffffffe): the data path's write(1) of the next call blocked for ever, and with it the whole
+    single-threaded server (no reply to any message, no other frontend served) until a signal came. Found by an
+    adversarial review. The backend now makes every kick/call eventfd it receives non-blocking: the call that
+    cannot be added is lost (the counter is already far past "there is something"), the server goes on."""
+    from vhost.testing import ScriptedFrontend, VhostProcess, frame
+    sock = str(tmp_path / "vh.sock")
+    with VhostProcess(sock, "--fwd", "macswap", verbose=True) as be:
+        be.wait_socket()
+        with ScriptedFrontend(sock) as fe:
+            for i in range(2):
+                os.close(fe.callfds[i])
+                fe.callfds[i] = os.eventfd(0, os.EFD_CLOEXEC)            # blocking
+                os.eventfd_write(fe.callfds[i], 0xfffffffffffffffe)      # one more would block
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            (fe.rxq if queue == "rx" else fe.txq).enable_calls(True)
+            fe.post_rx(64)
+            sent = [frame(i) for i in range(8)]
+            fe.send(sent)
+            got = []
+            for _ in range(300):
+                got += fe.receive()
+                if len(got) == len(sent):
+                    break
+                time.sleep(0.01)
+            assert len(got) == len(sent)
+            # the server still answers (it hung in write() before)
+            assert vu.client_call(fe.conn, R.GET_FEATURES, b"", (), timeout=3.0) is not None
+        final = be.stop()
+    assert be.proc.returncode == 0 and final["connections"] == 1, be.stderr()[-2000:]

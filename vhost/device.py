@@ -368,7 +368,8 @@ class NetDevice:
 
     def _take_fd(self, msg, f):
         """The kick/call fd (NOFD with the flag). It must be an eventfd: the data path writes and reads it in C,
-        and a pipe or socket the frontend never drains would block that write and hang the whole server."""
+        and a pipe or socket the frontend never drains would block that write and hang the whole server. It is
+        made non-blocking (the flag belongs to the file, shared with the frontend, which could clear it again)."""
         if f.nofd:
             return NOFD
         fd = msg.take_fds()[0]
@@ -379,6 +380,10 @@ class NetDevice:
         if kind != "anon_inode:[eventfd]":
             os.close(fd)
             raise Refused(f"{msg.name} {f.index}: the fd is {kind}, not an eventfd")
+        # non-blocking, as every frontend we know makes them (DPDK, QEMU, ours): on a blocking call eventfd whose
+        # counter the frontend filled to its limit, the data path's write(1) would block the whole server, and a
+        # kick counter drained by the frontend between our select() and read() would block the read
+        os.set_blocking(fd, False)
         return fd
 
     def _set_vring_kick(self, msg, f):
