@@ -101,7 +101,7 @@ class DeviceProfile:
         _, err = self.proc.communicate()
         if self.proc.returncode:
             raise RuntimeError(f"perf record failed: {err.strip()[-300:]}")
-        ns = 1e9 / pps if pps else float("nan")
+        ns = 1e9 / pps if pps > 0 else None   # nothing forwarded in the window: no per-packet figure (JSON null)
 
         def rows(sort):
             out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "-q", "-n", "-t", ";", "--sort", sort],
@@ -110,10 +110,10 @@ class DeviceProfile:
 
         by_dso = [{"dso": r[2], "share": float(r[0].rstrip("%")) / 100, "samples": int(r[1])} for r in rows("dso")]
         for d in by_dso:
-            d["ns_per_packet"] = round(d["share"] * ns, 2)
+            d["ns_per_packet"] = None if ns is None else round(d["share"] * ns, 2)
         hot = [{"dso": r[2], "where": r[3].removeprefix("[.] "), "share": float(r[0].rstrip("%")) / 100}
                for r in rows("dso,sym")[:top]]
-        return {"samples": sum(d["samples"] for d in by_dso), "device_ns_per_packet": round(ns, 2),
+        return {"samples": sum(d["samples"] for d in by_dso), "device_ns_per_packet": ns and round(ns, 2),
                 "by_dso": by_dso, "hottest": hot}
 
 
@@ -198,14 +198,26 @@ def regimes(rounds):
 
 
 def profile_summary(rounds, top=4):
-    """net_vhost's ns per packet in each of its busiest shared objects: the median over rounds, per driver."""
+    """net_vhost's ns per packet in each of its busiest shared objects: the median over rounds, per driver
+    (rounds whose window forwarded nothing left out; None where no round is left)."""
     per = {who: {} for who in ("vring_driver", "dpdk_virtio_user")}
     for r in rounds:
         for who in per:
             for d in r[who]["net_vhost_profile"]["by_dso"]:
-                per[who].setdefault(d["dso"], []).append(d["ns_per_packet"])
-    busiest = sorted(per["vring_driver"], key=lambda k: -statistics.median(per["vring_driver"][k]))[:top]
-    return {dso: {who: round(statistics.median(per[who].get(dso, [0.0])), 2) for who in per} for dso in busiest}
+                xs = per[who].setdefault(d["dso"], [])
+                if d["ns_per_packet"] is not None:
+                    xs.append(d["ns_per_packet"])
+
+    def med(who, dso):
+        xs = per[who].get(dso, [0.0])
+        return round(statistics.median(xs), 2) if xs else None
+
+    busiest = sorted(per["vring_driver"], key=lambda k: -(med("vring_driver", k) or 0.0))[:top]
+    return {dso: {who: med(who, dso) for who in per} for dso in busiest}
+
+
+def _ns(x):
+    return "-" if x is None else f"{x:.1f}"
 
 
 def main():
@@ -256,7 +268,8 @@ def main():
         if args.perf:
             out["paths"][name]["net_vhost_ns_per_packet"] = prof = profile_summary(rounds)
             print(f"{name}: net_vhost ns per packet (median over rounds), vring driver / DPDK virtio_user: " + ", ".join(
-                f"{dso} {v['vring_driver']:.1f} / {v['dpdk_virtio_user']:.1f}" for dso, v in prof.items()), file=sys.stderr)
+                f"{dso} {_ns(v['vring_driver'])} / {_ns(v['dpdk_virtio_user'])}" for dso, v in prof.items()),
+                file=sys.stderr)
         print(f"{name}: vring driver {o / 1e6:.3f} Mpps, DPDK virtio_user {d / 1e6:.3f} Mpps, "
               f"ratio {o / d if d else float('nan'):.3f}; net_vhost's dequeues found nothing in "
               f"{empty['vring_driver']:.0%} / {empty['dpdk_virtio_user']:.0%} of its polls"
