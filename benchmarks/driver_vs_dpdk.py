@@ -21,8 +21,10 @@ so on a machine whose speed changes between runs compare them with `vring bench 
 
 Where net_vhost's time goes (``--perf``): ``perf record -e cpu-clock`` on its forwarding CPU over each measurement
 (a software clock: no PMU is needed, so it works in a VM), reported per driver as the share of samples and the
-nanoseconds per forwarded packet in each shared object, and the hottest instructions (Debian's DPDK has no symbols
-for its static functions: those show as addresses; ``objdump -d`` of the library shows them).
+nanoseconds per forwarded packet in each shared object (the core's time over the packets it forwarded: a cost per
+packet only while net_vhost is saturated, i.e. few empty dequeues; otherwise it includes its empty polling), and
+the hottest instructions (Debian's DPDK has no symbols for its static functions: those show as addresses;
+``objdump -d`` of the library shows them).
 
     python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
     python benchmarks/driver_vs_dpdk.py --paths split --driver-arg=--tx-hdr=chain    # our header in its own descriptor
