@@ -210,12 +210,7 @@ def loads(data):
     end = data.find(b"\n", len(MAGIC))
     if end < 0:
         raise errors.ConfigError("vring raw snapshot: header line not terminated")
-    try:
-        h = json.loads(data[len(MAGIC):end].decode("utf-8"))
-    except RecursionError:
-        raise errors.ConfigError("vring raw snapshot: bad header: JSON nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-        raise errors.ConfigError(f"vring raw snapshot: bad header: {_one_line(e)}") from None
+    h = _parse_header(data[len(MAGIC):end])
     kind, layout, blob_list = _check_header(h)
     pos, blobs = end + 1, {}
     for b in blob_list:
@@ -238,7 +233,18 @@ def loads(data):
                        h["time"], h["meta"])
 
 
+def _parse_header(line):
+    try:
+        return json.loads(line.decode("utf-8"))
+    except RecursionError:
+        raise errors.ConfigError("vring raw snapshot: bad header: JSON nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise errors.ConfigError(f"vring raw snapshot: bad header: {_one_line(e)}") from None
+
+
 _AREAS = ("desc", "driver", "device")
+# the longest header line load() reads (a real one is a few hundred bytes; meta notes make it longer)
+MAX_HEADER = 1 << 20
 _U16, _U64 = 0xFFFF, (1 << 64) - 1
 _MAX_TIME = 253402300799  # 9999-12-31: what localtime() can still print
 # per kind: the state keys the decoders read, and their largest value (a function of the queue size n and
@@ -357,7 +363,18 @@ def load(path):
         head = f.read(len(MAGIC))
         if head != MAGIC:
             raise errors.ConfigError("not a vring raw snapshot (bad magic)")
-        return loads(head + f.read())
+        # never more than the header says the blobs take (a sparse file of any size costs its writer nothing)
+        line = f.readline(MAX_HEADER + 1)
+        if not line.endswith(b"\n"):
+            if len(line) > MAX_HEADER:
+                raise errors.ConfigError(f"vring raw snapshot: header line longer than {MAX_HEADER} bytes")
+            raise errors.ConfigError("vring raw snapshot: header line not terminated")
+        _, _, blobs = _check_header(_parse_header(line[:-1]))
+        want = sum(b["count"] * np.dtype(b["dtype"]).itemsize for b in blobs)
+        extra = os.fstat(f.fileno()).st_size - f.tell() - want
+        if extra > 0:
+            raise errors.ConfigError(f"vring raw snapshot: {extra} bytes after the last blob")
+        return loads(head + line + f.read(want))
 
 
 def save(q, path, meta=None):

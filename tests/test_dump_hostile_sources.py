@@ -1,0 +1,73 @@
+"""`vring dump` against hostile sources (attack24): files whose size, not their header, is the attack, and a
+control socket that picks the names `--raw` writes under."""
+import base64
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from rings import errors, rawdump
+from rings.layout import QueueLayout
+from rings.shm import MemoryTable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _memory_file():
+    lay = QueueLayout.contiguous("split", 8, 0x1000)
+    mem = MemoryTable([(0x1000, 0x4000, bytearray(0x4000))])
+    return rawdump.capture_memory(mem, lay, 0).dumps()
+
+
+def _limited(gib):
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+    return limit
+
+
+def _dump(args, **kw):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-m", "vring.cli", "dump"] + args, capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("head", [b"", b"header"], ids=["bad_header", "valid_header"])
+def test_sparse_huge_file_is_not_read_into_memory(tmp_path, head):
+    """A raw snapshot file of 8 GiB (sparse: 4 KiB on disk) was read whole before its header was looked at:
+    MemoryError and a traceback under a 1 GiB address-space limit, gigabytes allocated without one."""
+    path = tmp_path / "huge.raw"
+    with open(path, "wb") as f:
+        f.write(_memory_file() if head else rawdump.MAGIC + b"{}\n")
+        f.truncate(8 << 30)
+    with pytest.raises(errors.ConfigError):
+        rawdump.load(str(path))
+    r = _dump(["--from", str(path)], preexec_fn=_limited(1))
+    assert r.returncode == 1, r.stderr
+    assert r.stderr.startswith("vring dump: ") and r.stderr.count("\n") == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_header_line_without_end_is_bounded(tmp_path):
+    path = tmp_path / "long.raw"
+    with open(path, "wb") as f:
+        f.write(rawdump.MAGIC + b"{" + b" " * (rawdump.MAX_HEADER + 10))
+    with pytest.raises(errors.ConfigError, match="longer than"):
+        rawdump.load(str(path))
+
+
+def test_load_still_reads_a_good_file_and_reports_damage(tmp_path):
+    data = _memory_file()
+    path = tmp_path / "ok.raw"
+    path.write_bytes(data)
+    assert rawdump.load(str(path)).dumps() == data
+    path.write_bytes(data + b"xyz")
+    with pytest.raises(errors.ConfigError, match="3 bytes after the last blob"):
+        rawdump.load(str(path))
+    path.write_bytes(data[:-5])
+    with pytest.raises(errors.ConfigError, match="truncated"):
+        rawdump.load(str(path))
