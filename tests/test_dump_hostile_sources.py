@@ -71,3 +71,50 @@ def test_load_still_reads_a_good_file_and_reports_damage(tmp_path):
     path.write_bytes(data[:-5])
     with pytest.raises(errors.ConfigError, match="truncated"):
         rawdump.load(str(path))
+
+
+class _LyingControlServer(threading.Thread):
+    """A control socket that lists queues under the names given, each one a valid raw snapshot."""
+
+    def __init__(self, path, names):
+        super().__init__(daemon=True)
+        self.names, self.raw = names, base64.b64encode(_memory_file()).decode()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.sock.settimeout(20)
+        self.start()
+
+    def run(self):
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        with conn, conn.makefile("rwb") as f:
+            for line in f:
+                req = json.loads(line)
+                rep = ({"ok": True, "queues": [{"name": n} for n in self.names]} if req["cmd"] == "list"
+                       else {"ok": True, "raw": self.raw})
+                f.write(json.dumps(rep).encode() + b"\n")
+                f.flush()
+
+    def close(self):
+        self.sock.close()
+        self.join(5)
+
+
+def test_ctl_queue_names_never_lead_raw_files_elsewhere(tmp_path):
+    """`vring dump --ctl S --raw FILE` with several queues wrote FILE-NAME, NAME as the control server sent it:
+    a server listing "x/../../escaped" had the snapshot written outside FILE's directory (over whatever was
+    there)."""
+    out = tmp_path / "out"
+    (out / "snap-x").mkdir(parents=True)
+    srv = _LyingControlServer(tmp_path / "c.ctl", ["x/../../escaped", "b"])
+    try:
+        r = _dump(["--ctl", str(tmp_path / "c.ctl"), "--raw", str(out / "snap")])
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "escaped").exists()
+    written = sorted(p.name for p in out.iterdir() if p.is_file())
+    assert written == ["snap-b", "snap-x_.._.._escaped"], written

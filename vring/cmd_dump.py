@@ -177,7 +177,7 @@ def _loop(args, source):
                 base = elapsed = None
             findings = diagnose(snap, base, elapsed)
             if args.raw:
-                path = args.raw if len(samples) == 1 else f"{args.raw}-{name}"
+                path = args.raw if len(samples) == 1 else f"{args.raw}-{_file_part(name)}"
                 raw.save(path)
             out.append((name, raw, snap, findings))
         _print(args, out)
@@ -186,6 +186,12 @@ def _loop(args, source):
             return 0
         sys.stdout.flush()
         time.sleep(args.watch)
+
+
+def _file_part(name):
+    """A queue name as part of a file name: the control server (another process) chose it, so it never names a
+    directory (no separator, no NUL, nothing outside [A-Za-z0-9._-])."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "._-") else "_" for c in name) or "_"
 
 
 def _progress(snap):
