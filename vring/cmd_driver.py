@@ -1,5 +1,6 @@
 """`vring driver`: the virtio-net driver process against a vhost-user backend (e.g. DPDK net_vhost)."""
 import json
+import os
 import sys
 
 from virtio.app import DriverConfig, run
@@ -122,6 +123,14 @@ def _check_args(args):
                         ("--idle-first", args.idle_first), ("--rate", args.rate)):
         if not (math.isfinite(value) and value >= 0):
             return f"{name} must be a finite number >= 0, not {value}"
+    from rings.errors import ConfigError
+    from rings.layout import check_size
+    try:
+        check_size("packed" if args.packed else "split", args.ring_size)
+    except ConfigError as e:
+        return f"--ring-size: {e}"
+    if args.pin is not None and args.pin not in os.sched_getaffinity(0):
+        return f"--pin {args.pin} is not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})"
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):
