@@ -201,3 +201,10 @@ def test_nobody_listening(sock):
     fe = VhostUserFrontend(sock, timeout=1)
     with pytest.raises(PeerGone, match="nobody listens"):
         fe.connect()
+
+
+def test_mem_table_timeout_is_never_shorter_than_timeout(sock):
+    """--timeout 60 (a slow backend) still gave SET_MEM_TABLE only 15 s: its own floor replaced the longer wait
+    asked for (attack24). SET_MEM_TABLE waits max(15 s, timeout)."""
+    assert VhostUserFrontend(sock, timeout=60).mem_timeout == 60
+    assert VhostUserFrontend(sock, timeout=1).mem_timeout == 15

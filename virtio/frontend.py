@@ -51,7 +51,8 @@ def want_features(**on):
 
 class VhostUserFrontend:
     """One connection to a vhost-user backend. ``timeout``: seconds for each reply; SET_MEM_TABLE gets
-    ``mem_timeout`` (DPDK maps the region while we wait; 0.5-1.4 s seen on a 2-CPU box)."""
+    ``mem_timeout`` (DPDK maps the region while we wait; 0.5-1.4 s seen on a 2-CPU box), or ``timeout`` if
+    that is longer."""
 
     def __init__(self, path, timeout=5.0, mem_timeout=15.0, inflight=True):
         """``inflight``: negotiate INFLIGHT_SHMFD when the backend offers it."""
@@ -59,7 +60,7 @@ class VhostUserFrontend:
         self.want_inflight = inflight
         self.inflight = None      # (vu.Inflight, fd) from GET_INFLIGHT_FD, kept across backends
         self.timeout = timeout
-        self.mem_timeout = max(mem_timeout, 5.0)
+        self.mem_timeout = max(mem_timeout, timeout, 5.0)   # never shorter than what every other reply gets
         self.conn = None
         self.offered = 0
         self.features = 0

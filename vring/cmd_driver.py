@@ -94,7 +94,8 @@ def register(sub):
                    help="macfwd, rxonly: empty Rx polls done in C on an idle ring (with --wait: before sleeping); "
                         "C returns to Python at least every millisecond meanwhile, so a stop is seen at once")
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply (SET_MEM_TABLE: at least 15, the "
+                                                           "backend maps the memory meanwhile)")
     p.add_argument("--drain", type=float, default=0.3,
                    help="seconds to drain Rx at the end (--verify counts what comes back then; 0: no count)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
