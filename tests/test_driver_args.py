@@ -37,3 +37,12 @@ def test_packed_any_size_and_allowed_cpu_pass_the_check(tmp_path, capsys):
             except OSError:
                 pass
     assert rc == 2 and "PeerGone" in capsys.readouterr().err   # got as far as connecting
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_vhost_max_connections_below_one_is_a_usage_error(tmp_path, capsys, n):
+    """`vring vhost --max-connections 0` (or -1) listened, served nobody and exited 0 at once (attack24)."""
+    rc = cli.main(["vhost", "--socket", str(tmp_path / "v.sock"), "--max-connections", n])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--max-connections must be >= 1" in err, err
+    assert not (tmp_path / "v.sock").exists()

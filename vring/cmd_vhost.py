@@ -83,6 +83,8 @@ def run(args):
                                   ("--crash-after", args.crash_after, False)):
         if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
             return _error(f"{name} must be a number {'>' if positive else '>='} 0, not {value}")
+    if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
+        return _error(f"--max-connections must be >= 1, not {args.max_connections}")
     pcap = None
     try:
         if args.pcap:
