@@ -3,6 +3,8 @@ import json
 import os
 import sys
 
+from rings.errors import ConfigError
+from rings.layout import check_size
 from virtio.app import DriverConfig, run
 from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 
@@ -94,8 +96,9 @@ def register(sub):
                    help="macfwd, rxonly: empty Rx polls done in C on an idle ring (with --wait: before sleeping); "
                         "C returns to Python at least every millisecond meanwhile, so a stop is seen at once")
     p.add_argument("--pin", type=int, default=None, metavar="CPU", help="pin this process to CPU")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each vhost-user reply (SET_MEM_TABLE: at least 15, the "
-                                                           "backend maps the memory meanwhile)")
+    p.add_argument("--timeout", type=float, default=5.0,
+                   help="seconds to wait for each vhost-user reply (SET_MEM_TABLE: at least 15, the backend maps "
+                        "the memory meanwhile)")
     p.add_argument("--drain", type=float, default=0.3,
                    help="seconds to drain Rx at the end (--verify counts what comes back then; 0: no count)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
@@ -124,8 +127,6 @@ def _check_args(args):
                         ("--idle-first", args.idle_first), ("--rate", args.rate)):
         if not (math.isfinite(value) and value >= 0):
             return f"{name} must be a finite number >= 0, not {value}"
-    from rings.errors import ConfigError
-    from rings.layout import check_size
     try:
         check_size("packed" if args.packed else "split", args.ring_size)
     except ConfigError as e:
