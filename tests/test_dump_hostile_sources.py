@@ -18,10 +18,10 @@ from rings.shm import MemoryTable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _memory_file():
+def _memory_file(meta=None):
     lay = QueueLayout.contiguous("split", 8, 0x1000)
     mem = MemoryTable([(0x1000, 0x4000, bytearray(0x4000))])
-    return rawdump.capture_memory(mem, lay, 0).dumps()
+    return rawdump.capture_memory(mem, lay, 0, meta=meta).dumps()
 
 
 def _limited(gib):
@@ -76,9 +76,9 @@ def test_load_still_reads_a_good_file_and_reports_damage(tmp_path):
 class _LyingControlServer(threading.Thread):
     """A control socket that lists queues under the names given, each one a valid raw snapshot."""
 
-    def __init__(self, path, names):
+    def __init__(self, path, names, meta=None):
         super().__init__(daemon=True)
-        self.names, self.raw = names, base64.b64encode(_memory_file()).decode()
+        self.names, self.raw = names, base64.b64encode(_memory_file(meta)).decode()
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(path))
         self.sock.listen(1)
@@ -118,3 +118,19 @@ def test_ctl_queue_names_never_lead_raw_files_elsewhere(tmp_path):
     assert not (tmp_path / "escaped").exists()
     written = sorted(p.name for p in out.iterdir() if p.is_file())
     assert written == ["snap-b", "snap-x_.._.._escaped"], written
+
+
+def test_ctl_queue_names_and_notes_never_reach_the_terminal_raw(tmp_path):
+    """The queue names a control server lists and the notes of its snapshots were printed as sent: a
+    server could write terminal escape sequences (colours, a new window title, a cleared screen) into the
+    user's terminal. Control characters are now printed escaped."""
+    meta = {"notes": ["note \x1b]0;owned\x07 end"], "name": "ignored over --ctl"}
+    srv = _LyingControlServer(tmp_path / "c.ctl", ["\x1b[31mred", "b\nfake line"], meta)
+    try:
+        r = _dump(["--ctl", str(tmp_path / "c.ctl")])
+    finally:
+        srv.close()
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout and "\x07" not in r.stdout, r.stdout[:500]
+    assert "== \\x1b[31mred at " in r.stdout and "== b\\nfake line at " in r.stdout, r.stdout[:500]
+    assert "note \\x1b]0;owned\\x07 end" in r.stdout

@@ -201,6 +201,12 @@ def _progress(snap):
             [r["flags"] for r in snap["descriptors"]] if snap["side"] == "memory" else None)
 
 
+def _printable(text):
+    """Text another process chose (a queue name, a snapshot's notes), as printed on a terminal: control characters
+    (an escape sequence could rewrite the screen) shown escaped, as Python writes them."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
 def _print(args, out):
     if args.json:
         docs = [{"name": name, "time": raw.time, "meta": raw.meta, "snapshot": snap, "diagnosis": findings}
@@ -210,9 +216,9 @@ def _print(args, out):
         return
     for name, raw, snap, findings in out:
         when = time.strftime("%H:%M:%S", time.localtime(raw.time)) + f".{int(raw.time * 1000) % 1000:03d}"
-        print(f"== {name} at {when}" + (f" (pid {raw.meta['pid']})" if "pid" in raw.meta else ""))
+        print(f"== {_printable(name)} at {when}" + (f" (pid {raw.meta['pid']})" if "pid" in raw.meta else ""))
         for note in raw.meta.get("notes", ()):  # what the process that took it knows besides memory (vring tap)
-            print(note)
+            print(_printable(note))
         text = format_snapshot(snap)
         if args.no_descriptors:
             text = text[:text.rindex("\n" + f"{'slot':>5}")]
