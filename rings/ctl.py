@@ -25,6 +25,7 @@ import os
 import socket
 import stat
 import threading
+import time
 
 from . import rawdump
 from .errors import VringError
@@ -198,6 +199,7 @@ class ControlClient:
     """A connection to a ControlServer; ``request(cmd, **args)`` returns the reply dict."""
 
     def __init__(self, path, timeout=10.0):
+        self.timeout = timeout
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
         try:
@@ -205,18 +207,41 @@ class ControlClient:
         except OSError as e:
             self.sock.close()
             raise ConnectionError(f"cannot connect to control socket {path}: {e}") from None
-        self.f = self.sock.makefile("rwb")
+        self._buf = bytearray()   # what came after the last reply's end of line
+
+    def _reply_line(self):
+        """One reply line, within ``timeout`` for the WHOLE line: a timeout per read would let a server that
+        trickles a byte at a time keep us for ever."""
+        deadline = time.monotonic() + self.timeout
+        buf, scanned = self._buf, 0
+        while (end := buf.find(b"\n", scanned)) < 0:
+            if len(buf) > MAX_REPLY:
+                raise ControlError(f"control socket sent a reply longer than {MAX_REPLY} bytes")
+            scanned = len(buf)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(left)
+                chunk = self.sock.recv(1 << 20)
+            except TimeoutError:
+                raise TimeoutError(f"control socket: no whole reply within {self.timeout:g} s") from None
+            if not chunk:
+                if buf:
+                    raise ControlError("control socket cut its reply short")
+                raise ConnectionError("control socket closed the connection")
+            buf += chunk
+        line = bytes(buf[:end])
+        del buf[:end + 1]
+        return line
 
     def request(self, cmd, **args):
         """The reply dict. The server is another process: a reply that is not one line of JSON holding an object
-        (or is longer than MAX_REPLY) raises ControlError, never an untyped exception."""
-        self.f.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
-        self.f.flush()
-        line = self.f.readline(MAX_REPLY)
-        if not line:
-            raise ConnectionError("control socket closed the connection")
-        if not line.endswith(b"\n"):
-            raise ControlError(f"control socket sent a reply longer than {MAX_REPLY} bytes or cut short")
+        (or is longer than MAX_REPLY) raises ControlError, never an untyped exception; one that takes longer than
+        ``timeout`` in all raises TimeoutError."""
+        self.sock.settimeout(self.timeout)
+        self.sock.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        line = self._reply_line()
         try:
             reply = json.loads(line)
         except (ValueError, RecursionError) as e:
@@ -252,7 +277,6 @@ class ControlClient:
         return rawdump.loads(base64.b64decode(raw))
 
     def close(self):
-        self.f.close()
         self.sock.close()
 
     def __enter__(self):

@@ -134,3 +134,38 @@ def test_ctl_queue_names_and_notes_never_reach_the_terminal_raw(tmp_path):
     assert "\x1b" not in r.stdout and "\x07" not in r.stdout, r.stdout[:500]
     assert "== \\x1b[31mred at " in r.stdout and "== b\\nfake line at " in r.stdout, r.stdout[:500]
     assert "note \\x1b]0;owned\\x07 end" in r.stdout
+
+
+def test_ctl_reply_trickled_a_byte_at_a_time_times_out_as_a_whole(tmp_path):
+    """ControlClient's timeout applied to each read: a server that sent its reply a byte every 0.2 s (never a
+    newline) kept `vring dump --ctl` waiting for ever. The timeout is now for the whole reply."""
+    import time
+    from rings.ctl import ControlClient
+    path = str(tmp_path / "slow.ctl")
+    lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lst.bind(path)
+    lst.listen(1)
+    stop = threading.Event()
+
+    def serve():
+        conn, _ = lst.accept()
+        with conn:
+            conn.recv(1 << 16)
+            for _ in range(40):   # 8 s, then the line is cut: a client without a whole-reply timeout fails, not hangs
+                if stop.wait(0.2):
+                    return
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="no whole reply within 1 s"), ControlClient(path, 1.0) as c:
+            c.list()
+        assert time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+        lst.close()
+        th.join(5)
