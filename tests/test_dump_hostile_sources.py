@@ -8,10 +8,12 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
 from rings import errors, rawdump
+from rings.ctl import ControlClient
 from rings.layout import QueueLayout
 from rings.shm import MemoryTable
 
@@ -139,8 +141,6 @@ def test_ctl_queue_names_and_notes_never_reach_the_terminal_raw(tmp_path):
 def test_ctl_reply_trickled_a_byte_at_a_time_times_out_as_a_whole(tmp_path):
     """ControlClient's timeout applied to each read: a server that sent its reply a byte every 0.2 s (never a
     newline) kept `vring dump --ctl` waiting for ever. The timeout is now for the whole reply."""
-    import time
-    from rings.ctl import ControlClient
     path = str(tmp_path / "slow.ctl")
     lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     lst.bind(path)
