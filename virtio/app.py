@@ -230,6 +230,9 @@ def run(cfg: DriverConfig, on_ready=None):
             # Tx buffers the backend never completed: their memory still belongs to the device
             result["tx_unfinished"] = int(nq.tx.inflight)
             result["vring_bases"] = _stop_vrings(sess)
+            for w in vring_base_warnings(result["vring_bases"], cfg.packed, cfg.ring_size):
+                print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
+                warnings.append(w)
         except VringError as e:   # e.g. a frozen backend that never answers the stop: still a report, the error in it
             error = e
             result.setdefault("stop", {"reason": "error"})
@@ -289,6 +292,24 @@ def verify_failures(v, at_end=True):
         if pop["extra"]:
             out.append(f"{pop['extra']} extra {'copy' if pop['extra'] == 1 else 'copies'} at the end: a frame came "
                        f"back more than once")
+    return out
+
+
+def vring_base_warnings(bases, packed, size):
+    """What is wrong with the vring bases a backend returned at the stop (GET_VRING_BASE): each must be a position
+    of the ring. Split: a 16-bit index. Packed: bits 0-14 a slot < size and bit 15 its wrap counter, as DPDK
+    returns it; newer QEMU puts the used index and wrap in bits 16-31 the same way. Reported, not fatal: the
+    driver resumes from its own positions."""
+    out = []
+    for i, base in sorted(bases.items()):
+        if packed:
+            bad = base > 0xFFFFFFFF or (base & 0x7FFF) >= size or (base >> 16 & 0x7FFF) >= size
+        else:
+            bad = base > 0xFFFF
+        if bad:
+            kind, rule = ("packed", "bits 0-14 and 16-30 each a slot < size") if packed else ("split", "a 16-bit index")
+            out.append(f"GET_VRING_BASE of vring {i} returned {base:#x}: no position of a {kind} ring of {size} "
+                       f"({rule})")
     return out
 
 
