@@ -476,7 +476,8 @@ class NetDevice:
     def shrunk_region(self):
         """The index of a region whose file no longer covers our mapping of it (the frontend truncated it after
         SET_MEM_TABLE: touching those pages is SIGBUS), or None. Only the C data path's entry points catch that
-        fault; the queue start (used index read, event suppression written) and the ring dumps look here first."""
+        fault: the queue start (used index read, event suppression written) looks here first. A truncation racing
+        the start, or a `--ctl` dump between a truncation and the data path's next slice, is not caught."""
         for i, (_r, shm) in enumerate(self.regions):
             try:
                 if os.fstat(shm.fileno()).st_size < shm.size:
