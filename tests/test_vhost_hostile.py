@@ -319,3 +319,25 @@ def test_ring_size_left_by_the_other_format_is_refused_not_an_internal_error(ser
         assert "internal error" not in caplog.text
         fe.call(R.SET_VRING_NUM, vu.VringState(0, 256).pack(), need_reply=True)
         fe.call(R.SET_VRING_ADDR, fe.vring_addr(0).pack(), need_reply=True)
+
+
+def test_features_set_first_while_the_rings_run_restart_them_in_the_new_format(server, sock_path, caplog):
+    """A frontend that started the rings without ever sending SET_FEATURES (features 0: split), then sent
+    SET_FEATURES with RING_PACKED: the data path went on running split engines while the device described
+    itself as packed (and would have encoded the vring base as packed at the stop). Found by an adversarial
+    review. A change of features stops the data path whether or not features were set before; it restarts in
+    the new format."""
+    caplog.set_level(logging.INFO, logger="vhost")
+    with ScriptedFrontend(sock_path, packed=False).connect() as fe:
+        fe.call(R.SET_OWNER)
+        fe.call(R.GET_FEATURES)
+        for i in range(2):
+            fe.call(R.SET_VRING_CALL, vu.VringFile(i).pack(), [fe.callfds[i]])
+        fe.features = 0
+        fe.start()
+        assert server.wait(lambda s: s.device is not None and s.device.datapath is not None)
+        assert not server.server.device.datapath.rxq.layout.packed
+        fe.call(R.SET_FEATURES, vu.pack_u64(1 << 32 | 1 << 34), need_reply=True)   # VERSION_1 | RING_PACKED
+        assert server.wait(lambda s: s.device.datapath is None or s.device.datapath.rxq.layout.packed), \
+            "split engines still running under packed features"
+        assert "data path stopped (features changed)" in caplog.text

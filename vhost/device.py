@@ -155,7 +155,7 @@ class NetDevice:
         extra = value & ~self.offered
         if extra:
             raise Refused(f"SET_FEATURES {value:#x} acks bits that were not offered: {feature_names(extra)}")
-        if self.features_set and value != self.features:
+        if value != self.features:   # also the first SET_FEATURES, if the rings already run (under features 0)
             self._stop("features changed")
         self.features = value
         self.features_set = True
