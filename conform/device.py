@@ -993,9 +993,23 @@ class DeviceHarness:
                 + ", ".join(f"{x.id} {xl}/{x.wlen}" for x, xl, _s in bufs)
                 + (f" (the entries after the first {span} belong to the next packet)" if nb > span else ""))
 
+    def _still_canary(self, data, bufs):
+        """The packet bytes ``data`` (after the header) where a stamp would be, or all of them when the packet is
+        shorter, are still the canary the Rx buffers were filled with (nothing written there)."""
+        canary = b"".join(self._canary_bytes(b, min(ln, b.wlen)) for b, ln, _s in bufs)[self.hdr:]
+        end = frames.STAMP_OFF + frames.STAMP.size
+        if len(data) >= end:
+            return data[frames.STAMP_OFF:end] == canary[frames.STAMP_OFF:end]
+        return len(data) >= 4 and data == canary[:len(data)]
+
     def _frame_back(self, data, bufs, len_ids, data_id):
         r = self.report
         seq = frames.stamp_of(data, self.run_id)
+        if seq is None and self._still_canary(data, bufs):
+            r.fail(data_id, f"rx: used entries for buffers {[b.id for b, _l, _s in bufs]} cover {len(data)} packet "
+                            f"bytes after the header that still hold the canary the harness filled the buffers "
+                            f"with: the packet was not written before the used index/flags")
+            return
         if seq is None or seq not in self.sent:
             self.foreign += 1
             if seq is None and len(bufs) == 1 and any(sk for _b, _l, sk in bufs):

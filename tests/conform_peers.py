@@ -11,7 +11,8 @@
 * ``LoopDevice``: a small looping backend in Python (split rings, VERSION_1, IN_ORDER, MRG_RXBUF offered) for the
   device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
   ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
-  moved by the batch) or ``tx-len`` (a Tx buffer completed with its readable length as used len).
+  moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len) or ``hdr-only``
+  (an Rx buffer used with len header + frame, only the header written: the frame never is).
 """
 from __future__ import annotations
 
@@ -290,6 +291,9 @@ class _LoopQueues:
         nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
         self.faults += nb != take
         data = frames.net_hdr(num_buffers=nb)[:self.hdr] + frame
+        if self.fault == "hdr-only":   # used len covers header + frame, but only the header is ever written
+            data = data[:self.hdr]
+            self.faults += 1
         ids, lens, off = [], [], 0
         for bid, segs, wlen in bufs:
             used = min(wlen, need - off)
@@ -300,7 +304,8 @@ class _LoopQueues:
                 part = min(ln, left)
                 if not part:
                     break
-                self.dev.mem.write(a, data[off:off + part])
+                if data[off:off + part]:   # (hdr-only: nothing past the header)
+                    self.dev.mem.write(a, data[off:off + part])
                 off += part
                 left -= part
         rx = self.q[RX]

@@ -217,6 +217,15 @@ def test_conform_device_net_21_split_v_11_catch_tx_used_len(tmp_path):
     assert "used len" in f["NET-21"][0] and "readable bytes" in f["NET-21"][0], f
 
 
+def test_conform_device_split_v_09_catches_rx_packet_never_written(tmp_path):
+    """Rx buffers used with len header + frame, but only the header written (the frame never is): the packet
+    bytes are still the harness's canary. SPLIT-V-09 fails; before, the packets counted as foreign frames, the
+    Rx rows as not exercised, and the run passed."""
+    rep, f = conform_loop_device(tmp_path, "hdr-only", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-V-09"}, f
+    assert "still hold the canary" in f["SPLIT-V-09"][0], f
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
