@@ -278,6 +278,35 @@ def test_inflight_area_we_create_is_size_sealed():
         os.close(fd)
 
 
+def _assert_dropped_once_then_serves(be, sock, packed, words):
+    """After a frontend whose memory shrank: the backend lives, serves the next frontend (8 frames back), stops
+    cleanly with its socket gone, and logged exactly one GuestMemoryFault error containing ``words``."""
+    from vhost.testing import ScriptedFrontend, frame
+    assert be.proc.poll() is None, be.stderr()[-2000:]
+    with ScriptedFrontend(sock, packed=packed) as fe:   # the next frontend is served
+        fe.connect()
+        fe.negotiate()
+        fe.start()
+        fe.post_rx(64)
+        sent = [frame(i) for i in range(8)]
+        fe.send(sent)
+        got = []
+        for _ in range(500):
+            got += fe.receive()
+            if len(got) == len(sent):
+                break
+            time.sleep(0.01)
+    final = be.stop()
+    log = be.stderr()
+    assert be.proc.returncode == 0, log[-2000:]
+    assert not os.path.exists(sock)
+    assert [len(data) - 12 for data, _ in got] == [len(f) for f in sent], log[-2000:]
+    faults = [line for line in log.splitlines() if "GuestMemoryFault" in line and "ERROR" in line]
+    assert len(faults) == 1 and words in faults[0], log[-2000:]
+    assert "Traceback" not in log
+    assert final["connections"] == 2 and final["ring_errors"] == 1, final
+
+
 def test_vhost_survives_a_frontend_that_shrinks_its_memory_mid_traffic(tmp_path):
     """A frontend truncated its (unsealable: POSIX shm) memory file while the rings ran: `vring vhost` died of
     SIGBUS and left its socket. The C data path now catches the fault: one typed error line, the connection is
@@ -296,30 +325,7 @@ def test_vhost_survives_a_frontend_that_shrinks_its_memory_mid_traffic(tmp_path)
             os.ftruncate(fe.shm.fileno(), 0)   # every page the backend mapped is gone
             os.eventfd_write(fe.kickfds[1], 1)
             be.wait_stderr("GuestMemoryFault")
-        assert be.proc.poll() is None, be.stderr()[-2000:]
-        with ScriptedFrontend(sock) as fe:   # the next frontend is served
-            fe.connect()
-            fe.negotiate()
-            fe.start()
-            fe.post_rx(64)
-            sent = [frame(i) for i in range(8)]
-            fe.send(sent)
-            got = []
-            for _ in range(500):
-                got += fe.receive()
-                if len(got) == len(sent):
-                    break
-                import time
-                time.sleep(0.01)
-        final = be.stop()
-        log = be.stderr()
-    assert be.proc.returncode == 0, log[-2000:]
-    assert not os.path.exists(sock)
-    assert [len(data) - 12 for data, _ in got] == [len(f) for f in sent], log[-2000:]
-    faults = [line for line in log.splitlines() if "GuestMemoryFault" in line and "ERROR" in line]
-    assert len(faults) == 1 and "shrank under the rings" in faults[0], log[-2000:]
-    assert "Traceback" not in log
-    assert final["connections"] == 2 and final["ring_errors"] == 1, final
+        _assert_dropped_once_then_serves(be, sock, False, "shrank under the rings")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
@@ -329,7 +335,7 @@ def test_vhost_survives_a_frontend_that_shrinks_its_memory_before_the_rings_star
     and the event suppression written from outside the guarded C data path). Found by an adversarial review.
     Now the start sees the shrunken file: one typed error line, the connection is dropped, the next frontend
     is served."""
-    from vhost.testing import ScriptedFrontend, VhostProcess, frame
+    from vhost.testing import ScriptedFrontend, VhostProcess
     sock = str(tmp_path / "vh.sock")
     with VhostProcess(sock, "--fwd", "macswap", "--handshake-timeout", "5", verbose=True) as be:
         be.wait_socket()
@@ -350,29 +356,7 @@ def test_vhost_survives_a_frontend_that_shrinks_its_memory_before_the_rings_star
             except VringError:
                 pass   # NACKed or dropped: either is fine, the backend must live on
             be.wait_stderr("GuestMemoryFault")
-        assert be.proc.poll() is None, be.stderr()[-2000:]
-        with ScriptedFrontend(sock, packed=packed) as fe:   # the next frontend is served
-            fe.connect()
-            fe.negotiate()
-            fe.start()
-            fe.post_rx(64)
-            sent = [frame(i) for i in range(8)]
-            fe.send(sent)
-            got = []
-            for _ in range(500):
-                got += fe.receive()
-                if len(got) == len(sent):
-                    break
-                time.sleep(0.01)
-        final = be.stop()
-        log = be.stderr()
-    assert be.proc.returncode == 0, log[-2000:]
-    assert not os.path.exists(sock)
-    assert [len(data) - 12 for data, _ in got] == [len(f) for f in sent], log[-2000:]
-    faults = [line for line in log.splitlines() if "GuestMemoryFault" in line and "ERROR" in line]
-    assert len(faults) == 1 and "shrank" in faults[0], log[-2000:]
-    assert "Traceback" not in log
-    assert final["connections"] == 2 and final["ring_errors"] == 1, final
+        _assert_dropped_once_then_serves(be, sock, packed, "shrank")
 
 
 @pytest.mark.parametrize("queue", ["rx", "tx"])
