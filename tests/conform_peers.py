@@ -31,6 +31,7 @@ from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, bit, has)
+from rings.shm import MemoryTable
 from rings.virtq import DeviceQueue
 from vhost.device import NetDevice, Refused
 from vhost.testing import HDR, ScriptedFrontend
@@ -317,6 +318,8 @@ class _LoopQueues:
 
 class _LoopNetDevice(NetDevice):
     """vhost's control plane; the data path is a _LoopQueues."""
+
+    memory_table = MemoryTable   # its rings are read through numpy views (conform.ringview)
 
     def __init__(self, fault):
         super().__init__(features=bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_F_IN_ORDER) | bit(VIRTIO_NET_F_MRG_RXBUF)

@@ -12,6 +12,8 @@ int vh_run(struct vh_net *n, uint32_t max_iters, uint64_t budget_ns);
 int vh_dequeue_guarded(struct vh_net *n);
 int vh_txq_flush_guarded(struct vh_net *n);
 int gf_install(void);
+int vh_copy_guarded(void *dst, const void *src, size_t len);
+int vh_enable_kicks_guarded(struct vq_device *q, int on);
 uint32_t vh_discard(struct vh_net *n);
 int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f);
 void vhi_flush(struct vq_device *q, struct vh_inflight *f);

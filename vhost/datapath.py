@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rings._virtq import ffi as rings_ffi
-from rings.errors import ConfigError, GuestMemoryFault
+from rings.errors import ConfigError, GuestMemoryFault, UsageError
 from rings.layout import (VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, has, odd_line_stride)
+from rings.shm import MemoryTable
 
 from ._net import ffi, lib
 
@@ -106,6 +107,54 @@ def hdr_len(features):
                   or has(features, VIRTIO_F_RING_PACKED)) else 10
 
 
+def install_fault_handler():
+    """Once per process: SIGBUS in the guarded C entry points (guest_fault.h) becomes an error."""
+    if lib.gf_install() != 0:
+        raise OSError(ffi.errno, "cannot install the SIGBUS handler of the data path")
+
+
+def _memory_fault(what):
+    return GuestMemoryFault(f"the frontend's memory shrank under {what} (SIGBUS caught): it truncated a region's "
+                            f"file after SET_MEM_TABLE", side="device")
+
+
+class GuardedMemoryTable(MemoryTable):
+    """The frontend's memory as the backend's Python sees it. Outside the C data path nothing catches SIGBUS, so
+    a read here is a copy made by a guarded C memcpy: a region the frontend truncated after SET_MEM_TABLE (POSIX
+    shm cannot be sealed) raises GuestMemoryFault at a queue start or in a --ctl dump instead of killing the
+    server, even when the truncation races the read. Writes are guarded copies too. There are no views: Python
+    going through one would not be guarded."""
+
+    def __init__(self, regions=()):
+        install_fault_handler()
+        super().__init__(regions)
+
+    def read(self, gpa, length):
+        r, off = self.lookup(gpa, length)
+        out = bytearray(length)
+        src = ffi.cast("uint8_t *", ffi.from_buffer(r.buf)) + off
+        if lib.vh_copy_guarded(ffi.from_buffer(out), src, length) != 0:
+            raise _memory_fault(f"guest range {gpa:#x}+{length:#x}")
+        return bytes(out)
+
+    def write(self, gpa, data):
+        data = bytes(data)
+        r, off = self.lookup(gpa, len(data))
+        dst = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=True)) + off
+        if lib.vh_copy_guarded(dst, ffi.from_buffer(data), len(data)) != 0:
+            raise _memory_fault(f"guest range {gpa:#x}+{len(data):#x}")
+
+    def view(self, gpa, length):
+        raise UsageError("the frontend's memory is read and written with GuardedMemoryTable.read / write (guarded "
+                         "copies), never viewed from Python")
+
+
+def enable_kicks_guarded(q, on, index):
+    """``q.enable_kicks(on)`` (the event suppression area is the frontend's memory), guarded as the data path."""
+    if lib.vh_enable_kicks_guarded(_cast_dev(q), int(bool(on))) != 0:
+        raise _memory_fault(f"vring {index}'s event suppression area at its start")
+
+
 def _cast_dev(q):
     return ffi.cast("struct vq_device *", int(rings_ffi.cast("uintptr_t", q.c)))
 
@@ -137,8 +186,7 @@ class Datapath:
 
     def __init__(self, rxq, txq, features, options: Options, rx_callfd=-1, tx_callfd=-1, tracking=(None, None)):
         """``tracking``: the ``vhost.inflight.QueueTracking`` of each queue (INFLIGHT_SHMFD) or None."""
-        if lib.gf_install() != 0:   # once per process: SIGBUS in the guarded C entry points becomes an error
-            raise OSError(ffi.errno, "cannot install the SIGBUS handler of the data path")
+        install_fault_handler()
         self.options = options
         self.rxq, self.txq = rxq, txq
         self.tracking = list(tracking)
@@ -241,8 +289,7 @@ class Datapath:
         the loop (what the interrupted burst did is half done: nothing of theirs is touched again)."""
         self.n.rxq = self.n.txq = ffi.NULL
         self.n.npkts = self.n.long_fill = 0
-        return GuestMemoryFault("the frontend's memory shrank under the rings (SIGBUS in the data path): it "
-                                "truncated a region's file after SET_MEM_TABLE", side="device")
+        return _memory_fault("the rings (in the data path)")
 
     def step(self):
         """One poll iteration (tests)."""

@@ -26,7 +26,7 @@ from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VI
 from rings.shm import MemoryTable, ShmRegion, seal_shrink
 from rings.virtq import CMemory, DeviceQueue
 
-from .datapath import Datapath, Options, add_stats
+from .datapath import Datapath, GuardedMemoryTable, Options, add_stats, enable_kicks_guarded
 from .inflight import InflightArea, InflightError, QueueTracking, create_area
 
 log = logging.getLogger("vhost")
@@ -97,6 +97,10 @@ def _without_frames(e):
 
 class NetDevice:
     """State of one vhost-user connection: features, memory table, two vrings, and the running data path."""
+
+    #: The frontend's memory as Python sees it: guarded copies (a truncated region is GuestMemoryFault, not SIGBUS,
+    #: at a queue start or a --ctl dump). A harness that reads rings through numpy views uses MemoryTable.
+    memory_table: type[MemoryTable] = GuardedMemoryTable
 
     def __init__(self, options: Options | None = None, features=OFFERED_FEATURES,
                  protocol_features=OFFERED_PROTOCOL_FEATURES):
@@ -258,7 +262,7 @@ class NetDevice:
                 except ShmError as e:
                     raise Refused(f"SET_MEM_TABLE: region {i}: {e}") from None
                 mapped.append((r, shm))
-            table = MemoryTable()
+            table = self.memory_table()
             for r, shm in mapped:
                 table.add(r.gpa, r.size, shm.buf, r.mmap_offset)
             cmem = CMemory(table)
@@ -454,11 +458,13 @@ class NetDevice:
                                 used_idx, used_idx)
                     base = used_idx
             q.set_base(base)   # the ring engine bounds it (BaseOutOfRange), whatever was checked above
+        except GuestMemoryFault:
+            raise   # not this vring's fault: the frontend's memory is gone, and the frontend is dropped
         except (Refused, VringError) as e:
             v.broken = _without_frames(e)
             log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
             return None, None
-        q.enable_kicks(False)   # we poll (as net_vhost does): the driver need not kick
+        enable_kicks_guarded(q, False, v.index)   # we poll (as net_vhost does): the driver need not kick
         tracking = None
         if self.inflight is not None:
             try:
@@ -473,24 +479,7 @@ class NetDevice:
                             "again first", v.index, again)
         return q, tracking
 
-    def shrunk_region(self):
-        """The index of a region whose file no longer covers our mapping of it (the frontend truncated it after
-        SET_MEM_TABLE: touching those pages is SIGBUS), or None. Only the C data path's entry points catch that
-        fault: the queue start (used index read, event suppression written) looks here first. A truncation racing
-        the start, or a `--ctl` dump between a truncation and the data path's next slice, is not caught."""
-        for i, (_r, shm) in enumerate(self.regions):
-            try:
-                if os.fstat(shm.fileno()).st_size < shm.size:
-                    return i
-            except OSError:
-                return i
-        return None
-
     def _start(self):
-        shrunk = self.shrunk_region()
-        if shrunk is not None:
-            raise GuestMemoryFault(f"the frontend's memory shrank before the rings started: region {shrunk}'s "
-                                   f"file was truncated after SET_MEM_TABLE", side="device")
         (rx, rx_trk), (tx, tx_trk) = (self._queue(v) for v in self.vrings)
         if rx is None and tx is None:
             return

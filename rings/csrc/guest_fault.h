@@ -23,8 +23,10 @@
 
 #define GF_FAULT (-1)
 
-/* initial-exec: a plain thread-pointer access, in the hot path and in the handler (no __tls_get_addr there) */
-static __thread sigjmp_buf *gf_env __attribute__((tls_model("initial-exec")));
+/* initial-exec: a plain thread-pointer access, in the hot path and in the handler (no __tls_get_addr there).
+ * volatile: the handler reads it asynchronously, so the compiler must not drop the arming store when the
+ * guarded code is one it can see through (a memcpy between gf_arm and gf_disarm made them a dead store). */
+static __thread sigjmp_buf *volatile gf_env __attribute__((tls_model("initial-exec")));
 static struct sigaction gf_previous;
 static int gf_installed;
 

@@ -703,6 +703,31 @@ static int vh_txq_flush_guarded(struct vh_net *n)
     VH_GUARDED(vh_flush_complete(n));
 }
 
+/* Python's own accesses to the frontend's memory, outside the data path, guarded the same way: the copy of a
+ * ring area (used->idx at a queue start, a --ctl dump) and the event suppression written at a queue start. 0,
+ * or GF_FAULT: the frontend truncated the region under our mapping (the caller drops it, as vh_run's do). */
+static int vh_copy_guarded(void *dst, const void *src, size_t len)
+{
+    sigjmp_buf env;
+    if (sigsetjmp(env, 0))
+        return gf_caught();
+    gf_arm(&env);
+    memcpy(dst, src, len);
+    gf_disarm();
+    return 0;
+}
+
+static int vh_enable_kicks_guarded(struct vq_device *q, int on)
+{
+    sigjmp_buf env;
+    if (sigsetjmp(env, 0))
+        return gf_caught();
+    gf_arm(&env);
+    vq_dev_enable_kicks(q, on);
+    gf_disarm();
+    return 0;
+}
+
 /* Drop whatever waits in the intermediate queue (when the device stops). */
 static inline uint32_t vh_discard(struct vh_net *n)
 {
