@@ -1011,6 +1011,16 @@ class DeviceHarness:
                             f"with: the packet was not written before the used index/flags")
             return
         if seq is None or seq not in self.sent:
+            magic, rid, _ = frames.STAMP.unpack_from(data.ljust(frames.STAMP_OFF + frames.STAMP.size),
+                                                     frames.STAMP_OFF)
+            earlier_run = magic == frames.MAGIC and rid != self.run_id   # kept by the device since then: foreign
+            if not earlier_run and len(data) in set(self.sent_len.values()) and \
+                    frames.same_but_stamp(data, self.run_id):
+                r.fail(data_id, f"rx: buffers {[b.id for b, _l, _s in bufs]} hold a frame of this run ({len(data)} "
+                                f"bytes, the same outside its stamp) whose stamp was changed to "
+                                f"{data[frames.STAMP_OFF:frames.STAMP_OFF + frames.STAMP.size].hex()}: the device "
+                                f"damaged the packet bytes")
+                return
             self.foreign += 1
             if seq is None and len(bufs) == 1 and any(sk for _b, _l, sk in bufs):
                 r.fail("INORDER-10", f"rx: buffer {bufs[0][0].id} was skipped by an in-order batch and holds no "

@@ -45,6 +45,16 @@ def stamp_of(frame, run_id):
     return seq if magic == MAGIC and rid == run_id else None
 
 
+def same_but_stamp(frame, run_id):
+    """True when ``frame`` is, outside the MAC addresses and the stamp, the frame this run sends at its length:
+    what is left of one of ours whose stamp was changed (every frame of one length differs only there)."""
+    end = STAMP_OFF + STAMP.size
+    if len(frame) < max(end, MIN_FRAME):
+        return False
+    t = make_frame(len(frame), run_id, 0)
+    return frame[CMP_FROM:STAMP_OFF] == t[CMP_FROM:STAMP_OFF] and frame[end:] == t[end:]
+
+
 def same_frame(got, sent):
     """True when ``got`` is ``sent`` up to the MAC addresses."""
     return len(got) == len(sent) and got[CMP_FROM:] == sent[CMP_FROM:]

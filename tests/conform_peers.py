@@ -11,8 +11,9 @@
 * ``LoopDevice``: a small looping backend in Python (split rings, VERSION_1, IN_ORDER, MRG_RXBUF offered) for the
   device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
   ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
-  moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len) or ``hdr-only``
-  (an Rx buffer used with len header + frame, only the header written: the frame never is).
+  moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
+  (an Rx buffer used with len header + frame, only the header written: the frame never is) or ``stamp`` (each
+  frame delivered with the first byte of the harness's stamp changed).
 """
 from __future__ import annotations
 
@@ -292,6 +293,10 @@ class _LoopQueues:
         nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
         self.faults += nb != take
         data = frames.net_hdr(num_buffers=nb)[:self.hdr] + frame
+        if self.fault == "stamp" and len(frame) > frames.STAMP_OFF:   # one byte of the harness's stamp changed
+            frame = frame[:frames.STAMP_OFF] + bytes([frame[frames.STAMP_OFF] ^ 0xFF]) + frame[frames.STAMP_OFF + 1:]
+            data = data[:self.hdr] + frame
+            self.faults += 1
         if self.fault == "hdr-only":   # used len covers header + frame, but only the header is ever written
             data = data[:self.hdr]
             self.faults += 1

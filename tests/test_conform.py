@@ -226,6 +226,16 @@ def test_conform_device_split_v_09_catches_rx_packet_never_written(tmp_path):
     assert "still hold the canary" in f["SPLIT-V-09"][0], f
 
 
+def test_conform_device_split_v_09_catches_rx_frame_with_damaged_stamp(tmp_path):
+    """Every frame delivered with one byte of the harness's stamp changed, the rest intact: SPLIT-V-09 fails with
+    the changed stamp. Before, such frames counted as foreign (not ours), the harness concluded that the backend
+    does not bring frames back (the Rx rows not exercised), and the run passed (exit 0)."""
+    rep, f = conform_loop_device(tmp_path, "stamp", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-V-09"}, f
+    assert "whose stamp was changed to" in f["SPLIT-V-09"][0], f
+    assert " 0 foreign" in rep["context"]["traffic"], rep["context"]
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
