@@ -169,3 +169,30 @@ def test_ctl_reply_trickled_a_byte_at_a_time_times_out_as_a_whole(tmp_path):
         stop.set()
         lst.close()
         th.join(5)
+
+
+def test_shm_truncated_by_its_owner_while_watched_is_one_error_line():
+    """`vring dump --shm NAME --watch`: the owner truncated its region between two samples, and the next copy of
+    the ring areas killed the dump with SIGBUS ("Bus error", exit -7). The copy is now guarded: one line naming
+    the shared memory, exit 1."""
+    from rings.shm import ShmRegion
+    region = ShmRegion.create(0x4000)
+    try:
+        args = ["--shm", region.name, "--fmt", "split", "--size", "8", "--gpa", "0x1000", "--watch", "0.02",
+                "--json"]
+        proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "dump"] + args, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+        try:
+            assert json.loads(proc.stdout.readline())["snapshot"]["format"] == "split"   # one good sample first
+            os.ftruncate(region.fileno(), 0)
+            _out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == 1, (proc.returncode, err)
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("vring dump: ") and "shrank" in lines[0] and \
+            region.name in lines[0] and "its owner truncated it" in lines[0], err
+    finally:
+        region.close()

@@ -113,20 +113,24 @@ def install_fault_handler():
         raise OSError(ffi.errno, "cannot install the SIGBUS handler of the data path")
 
 
-def _memory_fault(what):
-    return GuestMemoryFault(f"the frontend's memory shrank under {what} (SIGBUS caught): it truncated a region's "
-                            f"file after SET_MEM_TABLE", side="device")
+FRONTEND_MEMORY = ("the frontend's memory", "it truncated a region's file after SET_MEM_TABLE")
+
+
+def _memory_fault(where, whose=FRONTEND_MEMORY):
+    return GuestMemoryFault(f"{whose[0]} shrank under {where} (SIGBUS caught): {whose[1]}", side="device")
 
 
 class GuardedMemoryTable(MemoryTable):
-    """The frontend's memory as the backend's Python sees it. Outside the C data path nothing catches SIGBUS, so
-    a read here is a copy made by a guarded C memcpy: a region the frontend truncated after SET_MEM_TABLE (POSIX
-    shm cannot be sealed) raises GuestMemoryFault at a queue start or in a --ctl dump instead of killing the
-    server, even when the truncation races the read. Writes are guarded copies too. There are no views: Python
-    going through one would not be guarded."""
+    """Someone else's memory as our Python sees it (the frontend's in `vring vhost`, a peer's region in `vring dump
+    --shm`). Outside the C data path nothing catches SIGBUS, so a read here is a copy made by a guarded C memcpy:
+    a region its owner truncated (POSIX shm cannot be sealed) raises GuestMemoryFault at a queue start or in a
+    dump instead of killing the process, even when the truncation races the read. Writes are guarded copies too.
+    There are no views: Python going through one would not be guarded. ``whose``: (what the memory is, how it
+    shrank) for the error."""
 
-    def __init__(self, regions=()):
+    def __init__(self, regions=(), whose=FRONTEND_MEMORY):
         install_fault_handler()
+        self.whose = whose
         super().__init__(regions)
 
     def read(self, gpa, length):
@@ -134,7 +138,7 @@ class GuardedMemoryTable(MemoryTable):
         out = bytearray(length)
         src = ffi.cast("uint8_t *", ffi.from_buffer(r.buf)) + off
         if lib.vh_copy_guarded(ffi.from_buffer(out), src, length) != 0:
-            raise _memory_fault(f"guest range {gpa:#x}+{length:#x}")
+            raise _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
         return bytes(out)
 
     def write(self, gpa, data):
@@ -142,11 +146,11 @@ class GuardedMemoryTable(MemoryTable):
         r, off = self.lookup(gpa, len(data))
         dst = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=True)) + off
         if lib.vh_copy_guarded(dst, ffi.from_buffer(data), len(data)) != 0:
-            raise _memory_fault(f"guest range {gpa:#x}+{len(data):#x}")
+            raise _memory_fault(f"guest range {gpa:#x}+{len(data):#x}", self.whose)
 
     def view(self, gpa, length):
-        raise UsageError("the frontend's memory is read and written with GuardedMemoryTable.read / write (guarded "
-                         "copies), never viewed from Python")
+        raise UsageError(f"{self.whose[0]} is read and written with GuardedMemoryTable.read / write (guarded "
+                         f"copies), never viewed from Python")
 
 
 def enable_kicks_guarded(q, on, index):

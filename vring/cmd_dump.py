@@ -6,6 +6,7 @@ Sources (one of):
         attach read-only to a POSIX shared-memory region and decode its ring memory (no private state:
         the fields only the queue's owner knows are listed as unknown). Without --desc/--driver/--device
         the contiguous layout at --gpa is assumed (desc, driver area, device area on the next page).
+        If the owner truncates the region meanwhile, that is one error line (exit 1), not a crash.
   --ctl SOCKET [QUEUE]   ask a running process (rings.ctl); without QUEUE, every registered queue
   --from FILE            decode a raw snapshot saved by --raw or by a broken queue
   --diff A B             what changed between two raw snapshots
@@ -26,8 +27,8 @@ from rings.ctl import ControlClient
 from rings.diagnose import diagnose, format_findings
 from rings.errors import VringError
 from rings.layout import VIRTIO_F_RING_PACKED, QueueLayout
-from rings.shm import MemoryTable
 from rings.snapshot import format_snapshot
+from vhost.datapath import GuardedMemoryTable
 
 
 def _int(text):
@@ -115,7 +116,9 @@ class _ShmSource:
             self.map = mmap.mmap(shm.fd, shm.size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(shm.fd)
-        self.mem = MemoryTable([(args.gpa, len(self.map), self.map)])
+        # guarded copies: the owner may truncate its region while we read it (SIGBUS would kill the dump)
+        self.mem = GuardedMemoryTable([(args.gpa, len(self.map), self.map)],
+                                      whose=(f"shared memory {args.shm}", "its owner truncated it"))
         self.features, self.name = features, args.shm
 
     def sample(self):
