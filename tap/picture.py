@@ -48,7 +48,9 @@ def decode_base(num, packed):
 
 class MappedRegion:
     """One SET_MEM_TABLE region mapped read-only from its fd (mapped from file offset 0 up to mmap_offset +
-    size, as DPDK maps it, so mmap_offset need not be page-aligned)."""
+    size, as DPDK maps it, so mmap_offset need not be page-aligned). Known limit: a region the frontend did not
+    let us seal (POSIX shm) and then truncates kills the tap with SIGBUS at its next capture or dump read, which
+    go through views (`vring vhost` and `vring dump --shm` copy through guarded C instead: vhost/README.md)."""
 
     def __init__(self, region, fd):
         self.region = region
