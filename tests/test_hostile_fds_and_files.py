@@ -361,6 +361,66 @@ def test_vhost_survives_a_frontend_that_shrinks_its_memory_before_the_rings_star
         _assert_dropped_once_then_serves(be, sock, packed, "shrank")
 
 
+def test_vhost_survives_packed_inflight_recovery_reading_a_truncated_descriptor_ring(tmp_path):
+    """Packed rings with INFLIGHT_SHMFD: the frontend's inflight area said the previous backend died inside a
+    completion (used_idx != old_used_idx), and the frontend truncated the part of its memory holding the
+    descriptor rings (the event suppression areas, low in the region, stayed). The recovery at the queue start
+    read the batch's first descriptor flags from Python (cffi, unguarded): SIGBUS, exit -7, socket left. Found by
+    adversarial review (attack33). The read is now a guarded copy: one GuestMemoryFault, the next frontend is
+    served."""
+    import mmap
+
+    import numpy as np
+
+    from rings.layout import QueueLayout, bit
+    from vhost.inflight import HDR_PACKED
+    from vhost.testing import GPA_BASE, MMAP_OFFSET, ScriptedFrontend, VhostProcess, features_for
+    PF = vu.VhostUserProtocolFeature
+    sock = str(tmp_path / "vh.sock")
+    with VhostProcess(sock, "--fwd", "macswap", "--handshake-timeout", "5", verbose=True) as be:
+        be.wait_socket()
+        with ScriptedFrontend(sock, packed=True) as fe:
+            # event areas in the first MiB, descriptor tables at +2 MiB (a layout the spec allows)
+            fe.layouts = [QueueLayout("packed", fe.size, GPA_BASE + 0x200000 + i * 0x10000, GPA_BASE + i * 0x1000,
+                                      GPA_BASE + i * 0x1000 + 0x100) for i in range(2)]
+            fe.connect()
+            fe.call(R.SET_OWNER)
+            fe.call(R.GET_FEATURES)
+            pf = fe.call(R.GET_PROTOCOL_FEATURES) & (bit(PF.REPLY_ACK) | bit(PF.STATUS)
+                                                     | bit(PF.INFLIGHT_SHMFD))
+            fe.call(R.SET_PROTOCOL_FEATURES, vu.pack_u64(pf))
+            for i in range(2):
+                fe.call(R.SET_VRING_CALL, vu.VringFile(i).pack(), [fe.callfds[i]])
+            fe.features = features_for(True)
+            fe.call(R.SET_FEATURES, vu.pack_u64(fe.features))
+            rep = vu.client_call(fe.conn, R.GET_INFLIGHT_FD, vu.Inflight(0, 0, 2, fe.size).pack(), timeout=5)
+            inf, fd = vu.decode(rep, reply=True), rep.take_fds()[0]
+            try:
+                with mmap.mmap(fd, inf.mmap_size) as m:
+                    hdr = np.ndarray((), HDR_PACKED, buffer=m, offset=0)   # vring 0's region
+                    hdr["version"], hdr["desc_num"] = 1, fe.size
+                    hdr["used_idx"], hdr["old_used_idx"] = 1, 0            # "died inside a completion"
+                    del hdr
+                fe.call(R.SET_INFLIGHT_FD, vu.Inflight(inf.mmap_size, 0, 2, fe.size).pack(), [fd], need_reply=True)
+            finally:
+                os.close(fd)
+            fe.call(R.SET_MEM_TABLE, vu.pack_mem_table([fe.mem_region()]), [fe.shm.fileno()], need_reply=True)
+            os.ftruncate(fe.shm.fileno(), MMAP_OFFSET + 0x100000)   # descriptor tables gone, event areas kept
+            try:
+                for i in range(2):
+                    fe.call(R.SET_VRING_NUM, vu.VringState(i, fe.size).pack())
+                    fe.call(R.SET_VRING_BASE, vu.VringState(i, 0x8000).pack())
+                    fe.call(R.SET_VRING_ADDR, fe.vring_addr(i).pack())
+                    fe.call(R.SET_VRING_KICK, vu.VringFile(i).pack(), [fe.kickfds[i]])
+                for i in range(2):
+                    fe.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
+                fe.call(R.SET_STATUS, vu.pack_u64(0xF), need_reply=True)   # the rings start here
+            except VringError:
+                pass   # NACKed or dropped: either is fine, the backend must live on
+            be.wait_stderr("GuestMemoryFault")
+        _assert_dropped_once_then_serves(be, sock, False, "shrank")
+
+
 def _kicks_enabled(snap, packed):
     """The device asks for kicks (VIRTIO_F_EVENT_IDX or not): what --idle sleep does before it blocks."""
     notify = snap["notify"]
@@ -400,9 +460,54 @@ def test_vhost_ctl_dump_of_a_shrunken_memory_is_an_error_not_a_crash(tmp_path, p
                     with pytest.raises(ctl.ControlError, match="GuestMemoryFault"):
                         c.raw(name)
             assert be.proc.poll() is None, be.stderr()[-2000:]
-            os.eventfd_write(fe.kickfds[1], 1)   # the data path wakes up and finds the memory gone
-            be.wait_stderr("GuestMemoryFault")
-        _assert_dropped_once_then_serves(be, sock, packed, "shrank under the rings")
+            be.wait_stderr("GuestMemoryFault")   # the server drops it: the dump's fault, or the data path's next look
+        _assert_dropped_once_then_serves(be, sock, packed, "shrank under")
+
+
+def test_vhost_drops_a_frontend_whose_memory_a_dump_found_shrunk_while_no_data_path_runs(tmp_path):
+    """The frontend broke its Tx queue (a descriptor outside the memory table: with no Tx queue the data path
+    idles), then truncated its memory. A `--ctl` dump got GuestMemoryFault as its reply, but nothing told the
+    server: the frontend stayed connected and served, its mapping kept. Found by adversarial review (attack33).
+    A fault any guarded access meets, in any thread, now drops the frontend at the server's next round."""
+    import numpy as np
+
+    from vhost.testing import ScriptedFrontend, VhostProcess, frame
+    sock, ctl_path = str(tmp_path / "vh.sock"), str(tmp_path / "ctl.sock")
+    with VhostProcess(sock, "--fwd", "macswap", "--ctl", ctl_path, "--handshake-timeout", "5", verbose=True) as be:
+        be.wait_socket()
+        with ScriptedFrontend(sock) as fe:
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            fe.post_rx(16)
+            fe.txq.add_simple(np.array([0x10], np.uint64), np.array([72], np.uint32), np.array([1], np.uint64))
+            fe.txq.publish()
+            os.eventfd_write(fe.kickfds[1], 1)
+            be.wait_stderr("vring 1 broken")
+            os.ftruncate(fe.shm.fileno(), 0)
+            with ctl.ControlClient(ctl_path, 10) as c, pytest.raises(ctl.ControlError, match="GuestMemoryFault"):
+                c.raw("rx")
+            be.wait_stderr("dropping the frontend: GuestMemoryFault")
+            with pytest.raises(VringError):   # the connection is gone
+                fe.call(R.GET_STATUS)
+        with ScriptedFrontend(sock) as fe:   # the next frontend is served
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            fe.post_rx(64)
+            sent = [frame(i) for i in range(8)]
+            fe.send(sent)
+            got = []
+            for _ in range(500):
+                got += fe.receive()
+                if len(got) == len(sent):
+                    break
+                time.sleep(0.01)
+        final = be.stop()
+        log = be.stderr()
+    assert be.proc.returncode == 0 and len(got) == len(sent), log[-2000:]
+    assert len([ln for ln in log.splitlines() if "GuestMemoryFault" in ln and "ERROR" in ln]) == 1, log[-2000:]
+    assert final["connections"] == 2 and "Traceback" not in log
 
 
 def test_guarded_memory_table_reads_a_truncated_region_as_an_error():

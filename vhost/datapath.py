@@ -126,19 +126,27 @@ class GuardedMemoryTable(MemoryTable):
     a region its owner truncated (POSIX shm cannot be sealed) raises GuestMemoryFault at a queue start or in a
     dump instead of killing the process, even when the truncation races the read. Writes are guarded copies too.
     There are no views: Python going through one would not be guarded. ``whose``: (what the memory is, how it
-    shrank) for the error."""
+    shrank) for the error; ``fault``: the first such error, whichever thread met it (the server drops the
+    frontend on it even when no data path runs)."""
 
     def __init__(self, regions=(), whose=FRONTEND_MEMORY):
         install_fault_handler()
         self.whose = whose
+        self.fault: GuestMemoryFault | None = None
         super().__init__(regions)
+
+    def _fault(self, gpa, length):
+        e = _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
+        if self.fault is None:
+            self.fault = e
+        return e
 
     def read(self, gpa, length):
         r, off = self.lookup(gpa, length)
         out = bytearray(length)
         src = ffi.cast("uint8_t *", ffi.from_buffer(r.buf)) + off
         if lib.vh_copy_guarded(ffi.from_buffer(out), src, length) != 0:
-            raise _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
+            raise self._fault(gpa, length)
         return bytes(out)
 
     def write(self, gpa, data):
@@ -146,7 +154,7 @@ class GuardedMemoryTable(MemoryTable):
         r, off = self.lookup(gpa, len(data))
         dst = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=True)) + off
         if lib.vh_copy_guarded(dst, ffi.from_buffer(data), len(data)) != 0:
-            raise _memory_fault(f"guest range {gpa:#x}+{len(data):#x}", self.whose)
+            raise self._fault(gpa, len(data))
 
     def view(self, gpa, length):
         raise UsageError(f"{self.whose[0]} is read and written with GuardedMemoryTable.read / write (guarded "

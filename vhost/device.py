@@ -518,6 +518,10 @@ class NetDevice:
                       type(e).__name__, e.spec, e)
         return errors
 
+    def memory_fault(self):
+        """The GuestMemoryFault a guarded access to the frontend's memory met, from any thread, or None."""
+        return getattr(self.mem, "fault", None)
+
     def sleep_fd(self):
         """--idle sleep: vring 1's kick eventfd once the data path has asked to block on it; -1 when it asked but
         the frontend gave no kick fd (the server naps instead); None while it polls."""

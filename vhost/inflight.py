@@ -198,7 +198,7 @@ class QueueTracking:
             if int(hdr["version"]) != VERSION:
                 raise InflightError(f"vring {self.index}: inflight region version {int(hdr['version'])} "
                                     f"(this backend knows {VERSION})")
-            heads = self._recover_packed(q, hdr, desc) if self.packed else self._recover_split(q, hdr, desc, mem)
+            heads = (self._recover_packed if self.packed else self._recover_split)(q, hdr, desc, mem)
         finally:
             del hdr, desc
         log.info("vring %d: inflight region read: %d chains in flight", self.index, len(heads))
@@ -259,7 +259,7 @@ class QueueTracking:
         q.set_base(used, len(heads))   # the ring engine bounds both
         return heads
 
-    def _recover_packed(self, q, hdr, desc):
+    def _recover_packed(self, q, hdr, desc, mem):
         size, c = self.size, self.c
         for name in ("free_head", "old_free_head"):
             if int(hdr[name]) > size:
@@ -275,7 +275,7 @@ class QueueTracking:
             # died inside a completion: published if the batch's first slot no longer shows the descriptor
             # available in the old lap (used, or already made available again by the driver)
             slot, wrap = int(hdr["old_used_idx"]), int(hdr["old_used_wrap_counter"])
-            flags = int(q.c.pdesc[slot].flags)
+            flags = _desc_flags_packed(q, mem, slot)
             published = flags & (VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED) != _avail_bits(wrap)
             if published:
                 e, steps = int(hdr["free_head"]), 0
@@ -348,5 +348,10 @@ class QueueTracking:
 
 
 def _used_idx(q, mem):
-    """split: used->idx as it is in ring memory."""
+    """split: used->idx as it is in ring memory (``mem`` copies guarded: a truncated region is GuestMemoryFault)."""
     return int.from_bytes(mem.read(q.layout.device + 2, 2), "little")
+
+
+def _desc_flags_packed(q, mem, slot):
+    """packed: the flags of descriptor ``slot`` as they are in ring memory (read as ``_used_idx``)."""
+    return int.from_bytes(mem.read(q.layout.desc + 16 * slot + 14, 2), "little")

@@ -196,9 +196,7 @@ class Server:
         try:
             payload = self.device.handle(msg, value)
         except GuestMemoryFault as e:   # the frontend truncated its memory: as in the data path, it is dropped
-            self.ring_errors += 1
-            log.error("dropping the frontend: %s: %s [%s]", type(e).__name__, e, e.spec)
-            self._drop(f"{type(e).__name__}: {e}")
+            self._drop_faulted(e)
             return
         except Refused as e:
             self._refuse(msg, str(e))
@@ -242,13 +240,15 @@ class Server:
         sock = self.conn.sock
         waits = [sock] if self.listener is None else [sock, self.listener]
         kick = None
+        fault = dev.memory_fault()
+        if fault is not None:   # found by another thread (a --ctl dump), maybe while the data path sleeps or idles
+            self._drop_faulted(fault)
+            return
         if dev.datapath is not None and not dev.datapath.idle:
             try:
                 errors = dev.run(self.budget_us)
             except GuestMemoryFault as e:
-                self.ring_errors += 1
-                log.error("dropping the frontend: %s: %s [%s]", type(e).__name__, e, e.spec)
-                self._drop(f"{type(e).__name__}: {e}")
+                self._drop_faulted(e)
                 return
             self.ring_errors += len(errors)
             timeout = 0
@@ -267,6 +267,12 @@ class Server:
             self._refuse_busy()
         if sock in r:
             self._serve_one()
+
+    def _drop_faulted(self, e):
+        """The frontend's memory shrank under one of our accesses: log it once, drop the connection."""
+        self.ring_errors += 1
+        log.error("dropping the frontend: %s: %s [%s]", type(e).__name__, e, e.spec)
+        self._drop(f"{type(e).__name__}: {e}")
 
     def _nap(self):
         """How long a sleeping data path may block: until the next counters line, at most 0.1 s (so that stop()
