@@ -183,6 +183,8 @@ class Queue:
         self.order = 0
         self.max_used_order = -1             # the latest (in avail order) buffer used so far
         self.round_used = 0                  # used buffers seen since the last notification check
+        self.round_calls = 0                 # notifications read while the round ran (before its final check)
+        self.call_seen_at = 0                # round_used when the latest of them was read (EVT-05/EVT-24 order)
         self.callfd = h.fe.callfds[index]
         self.kickfd = h.fe.kickfds[index]
         self.unpublished: list[Buf] = []
@@ -777,10 +779,13 @@ class DeviceHarness:
     def _gen01_check(self, early):
         r = self.report
         tx, rx = self.q[TX], self.q[RX]
-        if tx.packed:
-            ok = all(tx.view.flags(b.chain.head) == int.from_bytes(tx.shadow[b.chain.head][14:16].tobytes(), "little")
-                     for b in early)
-            moved = "a descriptor was marked used"
+        if tx.packed:   # no used index: the head of every buffer made available (Tx and Rx) must be as written
+            touched = [f"{q.name} slot {b.chain.head}" for q, bufs in ((tx, early), (rx, list(rx.inflight.values())))
+                       for b in bufs
+                       if q.view.flags(b.chain.head) != int.from_bytes(q.shadow[b.chain.head][14:16].tobytes(),
+                                                                        "little")]
+            ok = not touched
+            moved = f"descriptors marked used ({', '.join(touched[:4])})"
         else:
             ok = tx.view.used_idx == tx.used_ctr and rx.view.used_idx == rx.used_ctr
             moved = f"used idx moved to {tx.view.used_idx} (tx) / {rx.view.used_idx} (rx)"
@@ -1085,37 +1090,51 @@ class DeviceHarness:
         q.call_state = (mode, low_bit, q.used_ctr if not q.packed else (q.used_pos, q.used_wrap),
                         None if q.packed else int(v.avail[2 + q.size]))
 
-    def _check_calls(self, q, got):
-        """After a round: the calls that arrived for the used buffers it produced."""
+    def _check_calls(self, q, late):
+        """After a round: the calls that arrived for the used buffers it produced (``late``: read after the round's
+        last used buffer was seen; ``q.round_calls``: read while the round ran)."""
         r = self.report
         mode, low_bit, start, used_event = q.call_state
         if not q.round_used:
             return
         if mode == "on":
-            if not got:
+            # without EVENT_IDX every publication asks for a notification after it (flags 0 / ENABLE): the round's
+            # last one too, so the last call must come after it, not only before
+            every = not self.event_idx
+            if not late and (not q.round_calls or every and q.call_seen_at < q.round_used):
                 deadline = time.monotonic() + 0.05
-                while not got and time.monotonic() < deadline:
+                while not late and time.monotonic() < deadline:
                     time.sleep(0.001)
-                    got = q.calls()
+                    late = q.calls()
+            got = q.round_calls + late
+            early = every and got and not late and q.call_seen_at < q.round_used
             if q.packed:
                 rid = "EVT-23" if self.event_idx else "EVT-24"
             elif self.event_idx:
                 rid = "EVT-06" if low_bit else "EVT-07"
             else:
                 rid = "EVT-05"
-            what = (f"{q.name}: {q.round_used} buffers used" + (f" past used_event {used_event}" if self.event_idx and
-                                                                 not q.packed else "") + ", no notification")
-            if r.check(rid, got > 0, what):
+            if early:
+                what = (f"{q.name}: the last notification was read when {q.call_seen_at} of the round's "
+                        f"{q.round_used} used buffers were visible, and none followed the rest: it came before the "
+                        f"used {'descriptors' if q.packed else 'index'} it announces (a driver woken by it finds "
+                        f"nothing new and goes back to sleep)")
+            else:
+                what = (f"{q.name}: {q.round_used} buffers used" + (f" past used_event {used_event}" if
+                                                                    self.event_idx and not q.packed else "")
+                        + ", no notification")
+            if r.check(rid, got > 0 and not early, what):
                 if rid == "EVT-06":
                     r.ok("EVT-07")
                 if rid == "EVT-05":
                     r.ok("EVT-04")
-            elif rid == "EVT-05" and not need_event(used_event, q.used_ctr, start):
+            elif rid == "EVT-05" and not got and not need_event(used_event, q.used_ctr, start):
                 r.fail("EVT-04", f"{q.name}: no notification while flags were 0; the garbage used_event "
                                  f"{used_event} did not cover {start}..{q.used_ctr}, as if the device read it")
-        elif got:
+        elif q.round_calls + late:
             rid = "EVT-24" if q.packed else ("EVT-07" if self.event_idx else "EVT-05")
-            r.warn(rid, f"{q.name}: {got} notification(s) for {q.round_used} buffers used while suppressed")
+            r.warn(rid, f"{q.name}: {q.round_calls + late} notification(s) for {q.round_used} buffers used while "
+                        f"suppressed")
         q.round_used = 0
 
     def _quiesce_calls(self):
@@ -1135,7 +1154,7 @@ class DeviceHarness:
         for q in self.q:
             self._set_calls(q, call_mode, low_bit)
             q.calls()
-            q.round_used = 0
+            q.round_used = q.round_calls = q.call_seen_at = 0
         self._refill_rx()
         bufs = self._send(specs, mutate)
         self._wait(bufs)
@@ -1153,6 +1172,8 @@ class DeviceHarness:
         while True:
             moved = False
             for q in (tx, rx):
+                # a call read here announces at most what the scan right after it finds (EVT-05/EVT-24 order)
+                calls = q.calls()
                 comps = q.scan()
                 if comps:
                     moved = True
@@ -1162,6 +1183,9 @@ class DeviceHarness:
                     else:
                         self._rx_done(comps)
                         self._refill_rx()
+                if calls:
+                    q.round_calls += calls
+                    q.call_seen_at = q.round_used
             now = time.monotonic()
             if moved:
                 t_last = now

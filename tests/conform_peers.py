@@ -12,8 +12,9 @@
   device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
   ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
   moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
-  (an Rx buffer used with len header + frame, only the header written: the frame never is) or ``stamp`` (each
-  frame delivered with the first byte of the harness's stamp changed).
+  (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
+  frame delivered with the first byte of the harness's stamp changed) or ``call-early`` (the Tx used buffer
+  notification sent 20 ms before the used entries are published, none after).
 """
 from __future__ import annotations
 
@@ -259,6 +260,14 @@ class _LoopQueues:
     def _complete_tx(self, ids, lens):
         tx, k = self.q[TX], len(ids)
         tx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
+        if self.fault == "call-early":   # the call for these buffers, then (a while later) their used entries
+            fd = self.dev.vrings[TX].callfd
+            if fd >= 0 and not self.views[TX].avail[0] & 1:   # flags 0: notifications asked for
+                os.eventfd_write(fd, 1)
+            time.sleep(0.02)
+            tx.flush()
+            self.faults += 1
+            return
         if self.fault == "batch-last" and self.in_order and k > 1:
             # one entry for the batch, as a batching device writes it, but at the batch's last used slot
             # (INORDER-08 puts it at the first); the queue's own state moves as its flush would move it

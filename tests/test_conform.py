@@ -236,6 +236,15 @@ def test_conform_device_split_v_09_catches_rx_frame_with_damaged_stamp(tmp_path)
     assert " 0 foreign" in rep["context"]["traffic"], rep["context"]
 
 
+def test_conform_device_evt_05_catches_notification_before_the_used_index(tmp_path):
+    """Flags 0: the device sent the Tx notification, then 20 ms later published the used entries, and nothing
+    after. A driver woken by that call finds nothing new and sleeps. EVT-05 fails with where the last call was
+    read; before, any call in the round counted and the run passed (exit 0)."""
+    rep, f = conform_loop_device(tmp_path, "call-early", "--scenarios", "batches")
+    assert set(f) == {"EVT-05"}, f
+    assert "came before the used index it announces" in f["EVT-05"][0], f
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
