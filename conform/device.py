@@ -1090,9 +1090,10 @@ class DeviceHarness:
         q.call_state = (mode, low_bit, q.used_ctr if not q.packed else (q.used_pos, q.used_wrap),
                         None if q.packed else int(v.avail[2 + q.size]))
 
-    def _check_calls(self, q, late):
+    def _check_calls(self, q, late, stray=0):
         """After a round: the calls that arrived for the used buffers it produced (``late``: read after the round's
-        last used buffer was seen; ``q.round_calls``: read while the round ran)."""
+        last used buffer was seen; ``q.round_calls``: read while the round ran; ``stray``: calls on the other
+        queue's eventfd while only this one asked)."""
         r = self.report
         mode, low_bit, start, used_event = q.call_state
         if not q.round_used:
@@ -1122,13 +1123,14 @@ class DeviceHarness:
             else:
                 what = (f"{q.name}: {q.round_used} buffers used" + (f" past used_event {used_event}" if
                                                                     self.event_idx and not q.packed else "")
-                        + ", no notification")
+                        + ", no notification" + (f" (the other queue's eventfd got {stray} while only this queue "
+                                                 f"asked: sent on the wrong eventfd?)" if stray else ""))
             if r.check(rid, got > 0 and not early, what):
                 if rid == "EVT-06":
                     r.ok("EVT-07")
                 if rid == "EVT-05":
                     r.ok("EVT-04")
-            elif rid == "EVT-05" and not got and not need_event(used_event, q.used_ctr, start):
+            elif rid == "EVT-05" and not got and not stray and not need_event(used_event, q.used_ctr, start):
                 r.fail("EVT-04", f"{q.name}: no notification while flags were 0; the garbage used_event "
                                  f"{used_event} did not cover {start}..{q.used_ctr}, as if the device read it")
         elif q.round_calls + late:
@@ -1144,22 +1146,27 @@ class DeviceHarness:
             q.round_used = 0
 
     def _round(self, specs, mutate=None, call_mode="on", low_bit=False):
-        """Send one batch and wait until every buffer is used and every frame is back (or given up on)."""
-        rx, tx = self.q
-        if call_mode != self.call_mode:
-            for q in self.q:
-                self._set_calls(q, call_mode)
+        """Send one batch and wait until every buffer is used and every frame is back (or given up on).
+        ``call_mode``: "on" / "off" for both queues, or (Rx mode, Tx mode)."""
+        modes = (call_mode, call_mode) if isinstance(call_mode, str) else tuple(call_mode)
+        if modes != self.call_mode:
+            for q, mode in zip(self.q, modes):
+                self._set_calls(q, mode)
             self._quiesce_calls()
-            self.call_mode = call_mode
-        for q in self.q:
-            self._set_calls(q, call_mode, low_bit)
+            self.call_mode = modes
+        for q, mode in zip(self.q, modes):
+            self._set_calls(q, mode, low_bit)
             q.calls()
             q.round_used = q.round_calls = q.call_seen_at = 0
         self._refill_rx()
         bufs = self._send(specs, mutate)
         self._wait(bufs)
-        for q in self.q:
-            self._check_calls(q, q.calls())
+        late = [q.calls() for q in self.q]
+        # calls on a queue that asked for none, while the other asked: maybe sent on the wrong eventfd
+        stray = [q.round_calls + n if modes[i] == "off" and modes[i ^ 1] == "on" else 0
+                 for i, (q, n) in enumerate(zip(self.q, late))]
+        for i, q in enumerate(self.q):
+            self._check_calls(q, late[i], stray[i ^ 1])
             q.verify_owned()
         return len(bufs)
 
@@ -1366,6 +1373,11 @@ class DeviceHarness:
         while total < self.o.ring_size:
             k = self.rng.randint(1, self._max_batch())
             total += self._round([self._tx_spec(self.rng.randint(60, 1514), 1) for _ in range(k)], call_mode="off")
+        # one queue asks, the other does not: each queue's notifications on its own eventfd (EVT-05/EVT-24: a
+        # device that signals the other queue's call fd passes every round where both queues ask)
+        for modes in (("off", "on"), ("on", "off")) * 2:
+            total += self._round([self._tx_spec(self.rng.randint(60, 1514), 1)
+                                  for _ in range(self.rng.randint(1, self._max_batch()))], call_mode=modes)
         return total
 
     def _sc_spurious_kicks(self):

@@ -13,8 +13,9 @@
   ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
   moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
   (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
-  frame delivered with the first byte of the harness's stamp changed) or ``call-early`` (the Tx used buffer
-  notification sent 20 ms before the used entries are published, none after).
+  frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
+  notification sent 20 ms before the used entries are published, none after) or ``call-swap`` (each queue's
+  notifications written to the other queue's call eventfd).
 """
 from __future__ import annotations
 
@@ -253,9 +254,11 @@ class _LoopQueues:
         return bool(n or ch.n)
 
     def _call(self, index):
-        q, fd = self.q[index], self.dev.vrings[index].callfd
+        swap = self.fault == "call-swap"   # the right decision, the other queue's eventfd
+        q, fd = self.q[index], self.dev.vrings[index ^ 1 if swap else index].callfd
         if fd >= 0 and q.call_prepare():
             os.eventfd_write(fd, 1)
+            self.faults += swap
 
     def _complete_tx(self, ids, lens):
         tx, k = self.q[TX], len(ids)

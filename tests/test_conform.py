@@ -245,6 +245,15 @@ def test_conform_device_evt_05_catches_notification_before_the_used_index(tmp_pa
     assert "came before the used index it announces" in f["EVT-05"][0], f
 
 
+def test_conform_device_evt_05_catches_notifications_on_the_other_queues_eventfd(tmp_path):
+    """Each queue's used buffer notifications written to the other queue's call eventfd: every round where both
+    queues ask for them passed (exit 0). The notify-off scenario now has rounds where only one queue asks: the
+    one that asks gets nothing (EVT-05 fails), the other gets calls while suppressed (a SHOULD NOT: warned)."""
+    rep, f = conform_loop_device(tmp_path, "call-swap", "--scenarios", "batches,notify-off")
+    assert set(f) == {"EVT-05"}, f
+    assert any("sent on the wrong eventfd?" in e for e in f["EVT-05"]), f
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
