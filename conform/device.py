@@ -651,6 +651,7 @@ class DeviceHarness:
     def __init__(self, opts: DeviceOptions):
         self.o = opts
         self.rng = random.Random(opts.seed)
+        self.event_rng = random.Random(opts.seed ^ 0xE7)   # used_event placements (apart: the rest keeps its draws)
         self.run_id = (os.getpid() << 8 ^ int(time.time())) & 0xFFFFFFFF
         self.report = Report("device", IDS)
         self.fe = None
@@ -1082,7 +1083,12 @@ class DeviceHarness:
             n = q.size
             if self.event_idx:   # EVT-06: the device must ignore bit 0 of flags (set on purpose in some rounds)
                 v.avail[0] = VIRTQ_AVAIL_F_NO_INTERRUPT if low_bit else 0
-                v.avail[2 + n] = q.used_ctr if mode == "on" else (q.used_ctr - 1) & 0xFFFF
+                # "on": used_event at the next index, or (EVT-07's other cases; not with EVT-06's bit, which stays
+                # the only question of its rounds) inside or past what the round will use: judged at the end by
+                # vring_need_event over what it did use
+                ahead = (0 if low_bit else self.event_rng.choice((0, 0, 1, 2, 3, 5, 8, 13, 40))) if mode == "on" \
+                    else -1
+                v.avail[2 + n] = (q.used_ctr + ahead) & 0xFFFF
             else:                 # EVT-04: used_event holds garbage the device must ignore
                 v.avail[0] = 0 if mode == "on" else VIRTQ_AVAIL_F_NO_INTERRUPT
                 v.avail[2 + n] = self.rng.randrange(1 << 16)
@@ -1098,7 +1104,9 @@ class DeviceHarness:
         mode, low_bit, start, used_event = q.call_state
         if not q.round_used:
             return
-        if mode == "on":
+        uncrossed = mode == "on" and self.event_idx and not q.packed and not need_event(used_event, q.used_ctr,
+                                                                                         start)
+        if mode == "on" and not uncrossed:
             # without EVENT_IDX every publication asks for a notification after it (flags 0 / ENABLE): the round's
             # last one too, so the last call must come after it, not only before
             every = not self.event_idx
@@ -1115,7 +1123,10 @@ class DeviceHarness:
                 rid = "EVT-06" if low_bit else "EVT-07"
             else:
                 rid = "EVT-05"
-            if early:
+            if rid in ("EVT-06", "EVT-07") and used_event != start:   # (the rows' old evidence when it is start)
+                what = (f"{q.name}: used idx moved {start} -> {q.used_ctr}, crossing used_event {used_event} "
+                        f"(vring_need_event), and no notification")
+            elif early:
                 what = (f"{q.name}: the last notification was read when {q.call_seen_at} of the round's "
                         f"{q.round_used} used buffers were visible, and none followed the rest: it came before the "
                         f"used {'descriptors' if q.packed else 'index'} it announces (a driver woken by it finds "
@@ -1133,10 +1144,11 @@ class DeviceHarness:
             elif rid == "EVT-05" and not got and not stray and not need_event(used_event, q.used_ctr, start):
                 r.fail("EVT-04", f"{q.name}: no notification while flags were 0; the garbage used_event "
                                  f"{used_event} did not cover {start}..{q.used_ctr}, as if the device read it")
-        elif q.round_calls + late:
+        elif q.round_calls + late:   # suppressed, or used_event past the round's last index (SHOULD NOT notify)
             rid = "EVT-24" if q.packed else ("EVT-07" if self.event_idx else "EVT-05")
-            r.warn(rid, f"{q.name}: {q.round_calls + late} notification(s) for {q.round_used} buffers used while "
-                        f"suppressed")
+            why = (f"used idx moved {start} -> {q.used_ctr} without crossing used_event {used_event}" if uncrossed
+                   else "while suppressed")
+            r.warn(rid, f"{q.name}: {q.round_calls + late} notification(s) for {q.round_used} buffers used {why}")
         q.round_used = 0
 
     def _quiesce_calls(self):

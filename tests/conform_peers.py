@@ -14,8 +14,9 @@
   moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
   (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
   frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
-  notification sent 20 ms before the used entries are published, none after) or ``call-swap`` (each queue's
-  notifications written to the other queue's call eventfd).
+  notification sent 20 ms before the used entries are published, none after), ``call-swap`` (each queue's
+  notifications written to the other queue's call eventfd) or ``evt-first`` (with EVENT_IDX, a notification only
+  when the first used index a publication writes is used_event, not whenever the publication crosses it).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from conform.driver import OFFERED_PROTOCOL, RX, TX, DriverHarness, DriverOption
 from conform.ringview import PackedView, SplitView
 from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError
-from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
+from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, bit, has)
 from rings.shm import MemoryTable
 from rings.virtq import DeviceQueue
@@ -256,7 +257,13 @@ class _LoopQueues:
     def _call(self, index):
         swap = self.fault == "call-swap"   # the right decision, the other queue's eventfd
         q, fd = self.q[index], self.dev.vrings[index ^ 1 if swap else index].callfd
-        if fd >= 0 and q.call_prepare():
+        old = (int(q.c.used_idx) - int(q.c.call_added)) & 0xFFFF   # used idx before what this call is for
+        want = q.call_prepare()
+        if self.fault == "evt-first":   # EVENT_IDX done naively: only when the first index written is used_event
+            naive = int(self.views[index].avail[2 + q.size]) == old
+            self.faults += naive != want
+            want = naive
+        if fd >= 0 and want:
             os.eventfd_write(fd, 1)
             self.faults += swap
 
@@ -340,6 +347,7 @@ class _LoopNetDevice(NetDevice):
 
     def __init__(self, fault):
         super().__init__(features=bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_F_IN_ORDER) | bit(VIRTIO_NET_F_MRG_RXBUF)
+                         | bit(VIRTIO_F_EVENT_IDX)
                          | bit(VHOST_USER_F_PROTOCOL_FEATURES), protocol_features=OFFERED_PROTOCOL)
         self.fault = fault
         self.loop = None

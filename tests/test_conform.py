@@ -254,6 +254,16 @@ def test_conform_device_evt_05_catches_notifications_on_the_other_queues_eventfd
     assert any("sent on the wrong eventfd?" in e for e in f["EVT-05"]), f
 
 
+def test_conform_device_evt_07_catches_notification_only_at_the_first_index(tmp_path):
+    """EVENT_IDX done naively: a notification only when a publication's first used index is used_event, so a
+    batch that crosses used_event further in goes unannounced. The harness placed used_event only at the next
+    index, where the naive rule agrees with vring_need_event, and the run passed; it now also places it inside and
+    past the round, and EVT-07 fails with the crossing."""
+    rep, f = conform_loop_device(tmp_path, "evt-first", "--event-idx", "--scenarios", "batches")
+    assert set(f) == {"EVT-07"}, f
+    assert "crossing used_event" in f["EVT-07"][0], f
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
