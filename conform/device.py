@@ -1072,9 +1072,13 @@ class DeviceHarness:
     def _set_calls(self, q, mode, low_bit=False):
         """Ask for used buffer notifications ("on") or suppress them ("off"), by the spec's means."""
         v = q.view
+        ahead = 0
         if q.packed:
-            if mode == "on" and self.event_idx:
-                v.driver_event[0] = q.used_pos | (q.used_wrap << 15)
+            if mode == "on" and self.event_idx:   # DESC: the event slot at, inside or past what the round uses
+                ahead = 0 if low_bit else self.event_rng.choice([j for j in (0, 0, 1, 2, 3, 5, 8, 13, 40)
+                                                                 if j < q.size])
+                pos = q.used_pos + ahead
+                v.driver_event[0] = pos % q.size | (q.used_wrap ^ (pos >= q.size)) << 15
                 v.driver_event[1] = RING_EVENT_FLAGS_DESC
             else:
                 v.driver_event[1] = RING_EVENT_FLAGS_ENABLE if mode == "on" else RING_EVENT_FLAGS_DISABLE
@@ -1094,7 +1098,7 @@ class DeviceHarness:
                 v.avail[2 + n] = self.rng.randrange(1 << 16)
             q.avail_shadow = v.driver_bytes.copy()
         q.call_state = (mode, low_bit, q.used_ctr if not q.packed else (q.used_pos, q.used_wrap),
-                        None if q.packed else int(v.avail[2 + q.size]))
+                        ahead if q.packed else int(v.avail[2 + q.size]))
 
     def _check_calls(self, q, late, stray=0):
         """After a round: the calls that arrived for the used buffers it produced (``late``: read after the round's
@@ -1104,8 +1108,12 @@ class DeviceHarness:
         mode, low_bit, start, used_event = q.call_state
         if not q.round_used:
             return
-        uncrossed = mode == "on" and self.event_idx and not q.packed and not need_event(used_event, q.used_ctr,
-                                                                                         start)
+        if not self.event_idx or mode != "on":
+            uncrossed = False
+        elif q.packed:   # used_event: the event slot's distance from the round's first used slot
+            uncrossed = used_event >= _slots_moved(start, (q.used_pos, q.used_wrap), q.size)
+        else:
+            uncrossed = not need_event(used_event, q.used_ctr, start)
         if mode == "on" and not uncrossed:
             # without EVENT_IDX every publication asks for a notification after it (flags 0 / ENABLE): the round's
             # last one too, so the last call must come after it, not only before
@@ -1126,6 +1134,10 @@ class DeviceHarness:
             if rid in ("EVT-06", "EVT-07") and used_event != start:   # (the rows' old evidence when it is start)
                 what = (f"{q.name}: used idx moved {start} -> {q.used_ctr}, crossing used_event {used_event} "
                         f"(vring_need_event), and no notification")
+            elif rid == "EVT-23" and used_event:
+                what = (f"{q.name}: used descriptors written from slot {start[0]} (wrap {start[1]}) to "
+                        f"{q.used_pos} (wrap {q.used_wrap}), over the event slot {used_event} past the first, and "
+                        f"no notification")
             elif early:
                 what = (f"{q.name}: the last notification was read when {q.call_seen_at} of the round's "
                         f"{q.round_used} used buffers were visible, and none followed the rest: it came before the "
@@ -1146,8 +1158,11 @@ class DeviceHarness:
                                  f"{used_event} did not cover {start}..{q.used_ctr}, as if the device read it")
         elif q.round_calls + late:   # suppressed, or used_event past the round's last index (SHOULD NOT notify)
             rid = "EVT-24" if q.packed else ("EVT-07" if self.event_idx else "EVT-05")
-            why = (f"used idx moved {start} -> {q.used_ctr} without crossing used_event {used_event}" if uncrossed
-                   else "while suppressed")
+            why = "while suppressed"
+            if uncrossed:
+                why = (f"used descriptors written from slot {start[0]} (wrap {start[1]}) to {q.used_pos} (wrap "
+                       f"{q.used_wrap}), short of the event slot {used_event} past the first" if q.packed else
+                       f"used idx moved {start} -> {q.used_ctr} without crossing used_event {used_event}")
             r.warn(rid, f"{q.name}: {q.round_calls + late} notification(s) for {q.round_used} buffers used {why}")
         q.round_used = 0
 
@@ -1488,3 +1503,10 @@ class DeviceHarness:
         if self.mem is not None:
             self.mem.close()
             self.mem = None
+
+
+def _slots_moved(start, end, size):
+    """Packed: how many slots the used position moved from ``start`` to ``end`` ((slot, wrap) each; at most one
+    lap, as within one round)."""
+    (p0, w0), (p1, w1) = start, end
+    return p1 - p0 if w1 == w0 and p1 >= p0 else p1 + size - p0 if w1 != w0 and p1 <= p0 else 0
