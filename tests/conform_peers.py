@@ -14,8 +14,10 @@
   moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
   (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
   frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
-  notification sent 20 ms before the used entries are published, none after) or ``call-swap`` (each queue's
-  notifications written to the other queue's call eventfd).
+  notification sent 20 ms before the used entries are published, none after), ``call-swap`` (each queue's
+  notifications written to the other queue's call eventfd), ``rx-desc-write`` (each used Rx buffer's
+  descriptor gets the bytes written as its len: SPLIT-V-04) or ``rx-avail-write`` (the avail slots the device
+  read last are overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08).
 """
 from __future__ import annotations
 
@@ -327,6 +329,13 @@ class _LoopQueues:
                 off += part
                 left -= part
         rx = self.q[RX]
+        if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor
+            self.views[RX].desc["len"][ids] = lens
+            self.faults += 1
+        if self.fault == "rx-avail-write":   # the avail slots read last cleared, one per buffer used
+            for k in range(len(ids)):
+                self.views[RX].avail[2 + (int(rx.c.last_avail) - 1 - k) % rx.size] = 0xFFFF
+            self.faults += 1
         rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
         rx.flush()
         self._call(RX)

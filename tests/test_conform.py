@@ -254,6 +254,26 @@ def test_conform_device_evt_05_catches_notifications_on_the_other_queues_eventfd
     assert any("sent on the wrong eventfd?" in e for e in f["EVT-05"]), f
 
 
+def test_conform_device_split_v_04_catches_rx_descriptor_write(tmp_path):
+    """Each used Rx buffer's descriptor gets the bytes written as its len: SPLIT-V-04 fails with the entry and its
+    len. Before, publishing the Rx refill (inside the wait, after every Rx completion) re-copied the whole
+    descriptor table into the harness's copy, the device's write was taken as the harness's own and the run
+    passed; now the copies take only what the harness writes, and are compared before it writes again."""
+    rep, f = conform_loop_device(tmp_path, "rx-desc-write", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-V-04"}, f
+    assert all(e.startswith("rx: the device wrote descriptor table entry") for e in f["SPLIT-V-04"]), f
+    assert "len 1536 -> " in f["SPLIT-V-04"][0], f
+
+
+def test_conform_device_split_l_08_catches_rx_avail_ring_write(tmp_path):
+    """The avail slots the device read last overwritten with 0xFFFF as Rx buffers are used: SPLIT-L-08 fails with
+    the slot and the values (before, absorbed into the harness's copy of the avail ring as SPLIT-V-04 above)."""
+    rep, f = conform_loop_device(tmp_path, "rx-avail-write", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-L-08"}, f
+    assert f["SPLIT-L-08"][0].startswith("rx: the device wrote the avail ring (driver area): ring[") and \
+        "-> 0xffff" in f["SPLIT-L-08"][0], f
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
