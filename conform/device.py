@@ -20,8 +20,9 @@ What it checks (from ring memory and the call eventfds, never from the backend's
 used descriptor against the buffers in flight (ids, order, batches, skipped slots, len, WRITE flag, wrap
 bits), every received packet against the frame that was sent (header fields, num_buffers, lengths, content,
 canary bytes that should have been overwritten), descriptor tables, indirect tables, the avail ring / driver
-event area, readable buffers and the canaries around every buffer against the harness's own copies (nothing
-the device may not write has changed), and used buffer notifications against the suppression in force.
+event area, readable buffers, the canaries around every buffer and around the ring areas against the harness's
+own copies (nothing the device may not write has changed), and used buffer notifications against the
+suppression in force.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ IDS = ["FEAT-05", "GEN-01",
        "SPLIT-V-11", "SPLIT-V-12", "SPLIT-V-13", "SPLIT-V-15",
        "EVT-04", "EVT-05", "EVT-06", "EVT-07", "EVT-15", "EVT-16", "EVT-17", "EVT-19", "EVT-21", "EVT-22",
        "EVT-23", "EVT-24",
-       "PACKED-V-01", "PACKED-V-02", "PACKED-V-03", "PACKED-V-04", "PACKED-V-05", "PACKED-V-08",
+       "PACKED-L-03", "PACKED-V-01", "PACKED-V-02", "PACKED-V-03", "PACKED-V-04", "PACKED-V-05", "PACKED-V-08",
        "PACKED-V-09", "PACKED-V-10", "PACKED-V-11", "PACKED-V-12", "PACKED-V-13", "PACKED-V-14",
        "PACKED-V-15", "PACKED-V-16", "PACKED-V-18",
        "INORDER-02", "INORDER-07", "INORDER-08", "INORDER-10", "INORDER-13", "INORDER-15", "INORDER-16",
@@ -769,6 +770,7 @@ class DeviceHarness:
         off += 2 * n * SLOT
         self.mem = GuestRegion(off)
         self.layouts = layouts
+        self._fill_gaps()
         if not self.o.packed:
             base = self.o.base if self.o.base is not None else (0x10000 - n * 3 // 2) & 0xFFFF
             for lay in layouts:     # avail idx and used idx start at the base we announce
@@ -783,6 +785,47 @@ class DeviceHarness:
         self.report.context["layout"] = "; ".join(
             f"vring {i}: desc {lay.desc:#x} driver {lay.driver:#x} device {lay.device:#x}"
             for i, lay in enumerate(layouts))
+
+    def _fill_gaps(self):
+        """SPLIT-L-02 / PACKED-L-03: the device is given the ring areas at their sizes (split used ring 6+8*QS,
+        avail ring 6+2*QS, descriptors 16*QS; packed descriptors 16*QS, event areas 4) and nothing around them.
+        The memory between and after them up to the buffer slots (alignment gaps, page tails) gets a canary,
+        checked after every round (``_verify_gaps``)."""
+        names = (("descriptor ring", "driver event suppression area", "device event suppression area")
+                 if self.o.packed else ("descriptor table", "avail ring", "used ring"))
+        areas = [(at, size, f"vring {i}'s {name}") for i, lay in enumerate(self.layouts)
+                 for name, at, size in zip(names, (lay.desc, lay.driver, lay.device), area_sizes(lay.fmt, lay.size))]
+        if has(self.features, VIRTIO_F_INDIRECT_DESC):
+            areas.append((self.ind_gpa, self.o.ring_size * INDIRECT_MAX * 16, "the Tx indirect tables"))
+        self.gaps = []   # (gpa, canary, the area before it or None, the area after it)
+        pos, before = GPA_BASE, None
+        for area in sorted(areas) + [(self.tok_gpa[0], 0, None)]:
+            at, size, _what = area
+            if at > pos:
+                canary = np.resize(self.pattern, at - pos)
+                self.mem.at(pos, at - pos)[:] = canary
+                self.gaps.append((pos, canary, before, area))
+            pos, before = at + size, area
+
+    def _verify_gaps(self):
+        rid = "PACKED-L-03" if self.o.packed else "SPLIT-L-02"
+        for gpa, canary, before, after in self.gaps:
+            now = self.mem.at(gpa, len(canary))
+            diff = np.nonzero(now != canary)[0]
+            if not len(diff):
+                self.report.ok(rid)
+                continue
+            a, b = int(diff[0]), int(diff[-1]) + 1
+            if before is not None:
+                where = (f"{f'{a} bytes' if a else 'just'} past the end of {before[2]} ({before[0]:#x}, "
+                         f"{before[1]} bytes)")
+            else:
+                where = f"{after[0] - gpa - a} bytes before {after[2]} ({after[0]:#x})"
+            self.report.fail(rid, f"bytes {gpa + a:#x}..{gpa + b - 1:#x} changed ({len(diff)} bytes, "
+                                  f"{canary[a:b][:8].tobytes().hex()} -> {now[a:b][:8].tobytes().hex()}"
+                                  f"{' ...' if b - a > 8 else ''}), {where}: the device wrote memory outside "
+                                  f"every ring area it was given")
+            canary[:] = now   # each change reported once
 
     def _start(self):
         """SET_MEM_TABLE, the vrings (with our base), enable; the GEN-01 window; DRIVER_OK."""
@@ -1208,6 +1251,7 @@ class DeviceHarness:
         for i, q in enumerate(self.q):
             self._check_calls(q, late[i], stray[i ^ 1])
             q.verify_owned()
+        self._verify_gaps()
         return len(bufs)
 
     def _wait(self, bufs):

@@ -16,8 +16,9 @@
   frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
   notification sent 20 ms before the used entries are published, none after), ``call-swap`` (each queue's
   notifications written to the other queue's call eventfd), ``rx-desc-write`` (each used Rx buffer's
-  descriptor gets the bytes written as its len: SPLIT-V-04) or ``rx-avail-write`` (the avail slots the device
-  read last are overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08).
+  descriptor gets the bytes written as its len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device
+  read last are overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08) or ``scribble`` (after each Tx
+  completion, 8 bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02).
 """
 from __future__ import annotations
 
@@ -290,6 +291,9 @@ class _LoopQueues:
             tx.flush()
             if self.fault == "tx-len":
                 self.faults += 1
+        if self.fault == "scribble":   # the used ring ends at avail_event, 6 + 8 * size bytes in
+            self.dev.mem.write(tx.layout.device + 6 + 8 * tx.size, b"\xde\xad\xbe\xef" * 2)
+            self.faults += 1
         self._call(TX)
 
     def _receive(self, frame):
