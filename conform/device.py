@@ -20,8 +20,9 @@ What it checks (from ring memory and the call eventfds, never from the backend's
 used descriptor against the buffers in flight (ids, order, batches, skipped slots, len, WRITE flag, wrap
 bits), every received packet against the frame that was sent (header fields, num_buffers, lengths, content,
 canary bytes that should have been overwritten), descriptor tables, indirect tables, the avail ring / driver
-event area, readable buffers and the canaries around every buffer against the harness's own copies (nothing
-the device may not write has changed), and used buffer notifications against the suppression in force.
+event area, readable buffers, the canaries around every buffer and around the ring areas against the harness's
+own copies (nothing the device may not write has changed), and used buffer notifications against the
+suppression in force.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ IDS = ["FEAT-05", "GEN-01",
        "SPLIT-V-11", "SPLIT-V-12", "SPLIT-V-13", "SPLIT-V-15",
        "EVT-04", "EVT-05", "EVT-06", "EVT-07", "EVT-15", "EVT-16", "EVT-17", "EVT-19", "EVT-21", "EVT-22",
        "EVT-23", "EVT-24",
-       "PACKED-V-01", "PACKED-V-02", "PACKED-V-03", "PACKED-V-04", "PACKED-V-05", "PACKED-V-08",
+       "PACKED-L-03", "PACKED-V-01", "PACKED-V-02", "PACKED-V-03", "PACKED-V-04", "PACKED-V-05", "PACKED-V-08",
        "PACKED-V-09", "PACKED-V-10", "PACKED-V-11", "PACKED-V-12", "PACKED-V-13", "PACKED-V-14",
        "PACKED-V-15", "PACKED-V-16", "PACKED-V-18",
        "INORDER-02", "INORDER-07", "INORDER-08", "INORDER-10", "INORDER-13", "INORDER-15", "INORDER-16",
@@ -84,6 +85,10 @@ SPLIT_ONLY = {i for i in IDS if i.startswith("SPLIT-") and i != "SPLIT-V-01"} | 
     "EVT-04", "EVT-05", "EVT-06", "EVT-07", "EVT-15", "EVT-16", "INORDER-07", "INORDER-08"}
 PACKED_ONLY = {i for i in IDS if i.startswith("PACKED-")} | {"EVT-19", "EVT-21", "EVT-22", "EVT-23", "EVT-24",
                                                             "MEM-07", "INORDER-13"}
+
+
+def _brief(ids, k=8):
+    return ", ".join(map(str, ids[:k])) + (" ..." if len(ids) > k else "")
 
 
 class Stalled(VringError):
@@ -195,6 +200,7 @@ class Queue:
             self.slot_kind = ["free"] * n      # free | inflight | used (a used descriptor consumed) | skipped
         else:
             self.dq.c.next_avail = self.dq.c.last_used = base
+            self.avail_ctr = base               # avail idx as the harness last published it
             self.used_ctr = base                # the harness's own used index (free-running)
             self.consumed = []                  # used slots read since the last reclaim
             self.garbage_heads = {}             # head planted beyond avail idx -> its avail position (SPLIT-V-13)
@@ -203,6 +209,8 @@ class Queue:
     # -- shadows: what the device may not change -------------------------------------------------------------
 
     def take_shadows(self):
+        """The copies start as the areas are before the device runs; from then on they take only what the
+        harness itself writes (``publish``, ``write_driver_area``), so any other change is the device's."""
         v = self.view
         if self.packed:
             self.drv_shadow = v.driver_bytes.copy()
@@ -213,7 +221,9 @@ class Queue:
             self.ind_shadow = self.h.mem.at(*self.indirect_area).copy()
 
     def verify_owned(self):
-        """Compare everything the device may not write with the harness's copies; report each difference."""
+        """Compare everything the device may not write with the harness's copies; report each difference. Run
+        after every round and before the harness writes into those areas again (a change it wrote over would
+        go unseen)."""
         v, r = self.view, self.r
         if self.indirect_area:
             now = self.h.mem.at(*self.indirect_area)
@@ -231,17 +241,31 @@ class Queue:
             self._verify_owned_slots()
         else:
             diff = np.nonzero(v.desc_bytes != self.desc_shadow)[0]
-            if not r.check("SPLIT-V-04", not len(diff), lambda: f"{self.name}: descriptor {int(diff[0]) // 16} "
-                           f"changed: {self.desc_shadow[diff[0] // 16 * 16:][:16].tobytes().hex()} -> "
-                           f"{v.desc_bytes[diff[0] // 16 * 16:][:16].tobytes().hex()}"):
+            if not r.check("SPLIT-V-04", not len(diff), lambda: self._desc_change(diff)):
                 self.desc_shadow = v.desc_bytes.copy()
             diff = np.nonzero(v.driver_bytes != self.avail_shadow)[0]
-            if not r.check("SPLIT-L-08", not len(diff), lambda: f"{self.name}: avail ring byte {int(diff[0])} "
-                           f"changed {int(self.avail_shadow[diff[0]]):#x} -> {int(v.driver_bytes[diff[0]]):#x}: "
-                           f"the device wrote the driver area"):
+            if not r.check("SPLIT-L-08", not len(diff), lambda: self._avail_change(diff)):
                 self.avail_shadow = v.driver_bytes.copy()
             if self.garbage_heads:   # stale heads sat beyond avail idx all round; none was consumed
                 r.ok("SPLIT-V-13")
+
+    def _desc_change(self, diff):
+        ids = sorted({int(d) // 16 for d in diff})
+        i = ids[0]
+        was = np.frombuffer(self.desc_shadow[16 * i:16 * i + 16].tobytes(), self.view.desc.dtype)[0]
+        now = self.view.desc[i]
+        changed = ", ".join(f"{f} {int(was[f])} -> {int(now[f])}" for f in was.dtype.names if was[f] != now[f])
+        return (f"{self.name}: the device wrote descriptor table entry {i}: {changed}"
+                + (f" (entries {_brief(ids[1:])} changed too)" if len(ids) > 1 else ""))
+
+    def _avail_change(self, diff):
+        n = self.size
+        ks = sorted({int(d) // 2 for d in diff})
+        was, now = self.avail_shadow.view("<u2"), self.view.avail
+        name = lambda k: {0: "flags", 1: "idx", 2 + n: "used_event"}.get(k, f"ring[{k - 2}]")
+        return (f"{self.name}: the device wrote the avail ring (driver area): "
+                + ", ".join(f"{name(k)} {int(was[k]):#x} -> {int(now[k]):#x}" for k in ks[:8])
+                + (f" and {len(ks) - 8} more fields" if len(ks) > 8 else ""))
 
     def _inflight_descs(self):
         return sum(b.chain.ndesc for b in self.inflight.values())
@@ -292,6 +316,7 @@ class Queue:
     def add(self, specs, mutate=None):
         """Add buffers. ``specs``: per buffer (segment datas or lengths, writable, seq, tags). Returns the Bufs
         added (in avail order); nothing is published yet (``publish``)."""
+        self.verify_owned()   # the driver is about to write over descriptors and avail slots the device gave back
         addrs, lens, nread, nwrite, tokens, metas = [], [], [], [], [], []
         for datas, writable, seq, tags in specs:
             if not self.free_tokens:
@@ -354,29 +379,47 @@ class Queue:
         return bufs
 
     def publish(self, kick=True):
-        """Take the shadows of what was added, publish, plant garbage beyond avail idx (split), and kick if the
-        device asks (``kick=False``: not now, e.g. before DRIVER_OK)."""
-        if self.packed:
-            ring = self.view.desc_bytes.reshape(self.size, 16)
-            c = self.dq.c
+        """Publish what was added, plant garbage beyond avail idx (split), and kick if the device asks
+        (``kick=False``: not now, e.g. before DRIVER_OK). The copies take what the harness wrote, and only that:
+        the descriptors and indirect tables of the new buffers (read before the device may see them), their
+        avail slots, avail idx and the planted heads (the values written)."""
+        n = self.size
+        slots = [s for b in self.unpublished for s in b.chain.slots]
+        ring = self.view.desc_bytes.reshape(n, 16)
+        if self.indirect_area:
             for b in self.unpublished:
-                for s in b.chain.slots:
-                    self.shadow[s] = ring[s]
-                    self.slot_kind[s] = "inflight"
+                if b.chain.table:
+                    gpa, nbytes = b.chain.table
+                    off = gpa - self.indirect_area[0]
+                    self.ind_shadow[off:off + nbytes] = self.h.mem.at(gpa, nbytes)
+        if self.packed:
+            c = self.dq.c
+            self.shadow[slots] = ring[slots]
+            for s in slots:
+                self.slot_kind[s] = "inflight"
             if c.pending:   # the head flags are still kept aside by the driver: the value they will have
                 self.shadow[int(c.pending_head)][14:16] = np.frombuffer(
                     int(c.pending_flags).to_bytes(2, "little"), np.uint8)
             self.dq.publish()
         else:
-            self.desc_shadow = self.view.desc_bytes.copy()
+            self.desc_shadow.reshape(n, 16)[slots] = ring[slots]
+            avail = self.avail_shadow.view("<u2")
+            for k, b in enumerate(self.unpublished):
+                avail[2 + (self.avail_ctr + k) % n] = b.id
             self.dq.publish()
+            self.avail_ctr = avail[1] = int(self.dq.c.next_avail)
             self._plant_garbage()
-            self.avail_shadow = self.view.driver_bytes.copy()
         self.unpublished = []
-        if self.indirect_area:
-            self.ind_shadow = self.h.mem.at(*self.indirect_area).copy()
         if kick:
             self.kick()
+
+    def write_driver_area(self, fields):
+        """Write 16-bit fields of the driver area (``{index: value}``; split: the avail ring's u16 array, packed:
+        off_wrap, flags); the copy takes the same values."""
+        area = self.view.driver_event if self.packed else self.view.avail
+        shadow = (self.drv_shadow if self.packed else self.avail_shadow).view("<u2")
+        for i, value in fields.items():
+            area[i] = shadow[i] = value
 
     def kick(self):
         if self.dq.kick_prepare():
@@ -385,14 +428,15 @@ class Queue:
 
     def _plant_garbage(self):
         """SPLIT-V-13: avail slots beyond avail idx hold heads of free descriptors (stale chains)."""
-        self.garbage_heads = {}
+        self.garbage_heads, slots = {}, {}
         free = [i for i in range(self.size) if i not in self.inflight]
         nxt = self.dq.c.next_avail
         for k in range(min(len(free), 8, self.size - len(self.inflight))):
             pos = (nxt + k) & 0xFFFF
             head = self.h.rng.choice(free)
-            self.view.avail[2 + pos % self.size] = head
+            slots[2 + pos % self.size] = head
             self.garbage_heads[head] = pos
+        self.write_driver_area(slots)
 
     # -- used side --------------------------------------------------------------------------------------------
 
@@ -476,8 +520,7 @@ class Queue:
         return out
 
     def _fifo_brief(self):
-        ids = list(self.fifo)
-        return ", ".join(map(str, ids[:8])) + (" ..." if len(ids) > 8 else "")
+        return _brief(list(self.fifo))
 
     def _batch_upto(self, uid):
         """IN_ORDER: the buffers from the oldest in flight up to ``uid`` (removed from the fifo)."""
@@ -728,6 +771,7 @@ class DeviceHarness:
         off += 2 * n * SLOT
         self.mem = GuestRegion(off)
         self.layouts = layouts
+        self._fill_gaps()
         if not self.o.packed:
             base = self.o.base if self.o.base is not None else (0x10000 - n * 3 // 2) & 0xFFFF
             for lay in layouts:     # avail idx and used idx start at the base we announce
@@ -742,6 +786,47 @@ class DeviceHarness:
         self.report.context["layout"] = "; ".join(
             f"vring {i}: desc {lay.desc:#x} driver {lay.driver:#x} device {lay.device:#x}"
             for i, lay in enumerate(layouts))
+
+    def _fill_gaps(self):
+        """SPLIT-L-02 / PACKED-L-03: the device is given the ring areas at their sizes (split used ring 6+8*QS,
+        avail ring 6+2*QS, descriptors 16*QS; packed descriptors 16*QS, event areas 4) and nothing around them.
+        The memory between and after them up to the buffer slots (alignment gaps, page tails) gets a canary,
+        checked after every round (``_verify_gaps``)."""
+        names = (("descriptor ring", "driver event suppression area", "device event suppression area")
+                 if self.o.packed else ("descriptor table", "avail ring", "used ring"))
+        areas = [(at, size, f"vring {i}'s {name}") for i, lay in enumerate(self.layouts)
+                 for name, at, size in zip(names, (lay.desc, lay.driver, lay.device), area_sizes(lay.fmt, lay.size))]
+        if has(self.features, VIRTIO_F_INDIRECT_DESC):
+            areas.append((self.ind_gpa, self.o.ring_size * INDIRECT_MAX * 16, "the Tx indirect tables"))
+        self.gaps = []   # (gpa, canary, the area before it or None, the area after it)
+        pos, before = GPA_BASE, None
+        for area in sorted(areas) + [(self.tok_gpa[0], 0, None)]:
+            at, size, _what = area
+            if at > pos:
+                canary = np.resize(self.pattern, at - pos)
+                self.mem.at(pos, at - pos)[:] = canary
+                self.gaps.append((pos, canary, before, area))
+            pos, before = at + size, area
+
+    def _verify_gaps(self):
+        rid = "PACKED-L-03" if self.o.packed else "SPLIT-L-02"
+        for gpa, canary, before, after in self.gaps:
+            now = self.mem.at(gpa, len(canary))
+            diff = np.nonzero(now != canary)[0]
+            if not len(diff):
+                self.report.ok(rid)
+                continue
+            a, b = int(diff[0]), int(diff[-1]) + 1
+            if before is not None:
+                where = (f"{f'{a} bytes' if a else 'just'} past the end of {before[2]} ({before[0]:#x}, "
+                         f"{before[1]} bytes)")
+            else:
+                where = f"{after[0] - gpa - a} bytes before {after[2]} ({after[0]:#x})"
+            self.report.fail(rid, f"bytes {gpa + a:#x}..{gpa + b - 1:#x} changed ({len(diff)} bytes, "
+                                  f"{canary[a:b][:8].tobytes().hex()} -> {now[a:b][:8].tobytes().hex()}"
+                                  f"{' ...' if b - a > 8 else ''}), {where}: the device wrote memory outside "
+                                  f"every ring area it was given")
+            canary[:] = now   # each change reported once
 
     def _start(self):
         """SET_MEM_TABLE, the vrings (with our base), enable; the GEN-01 window; DRIVER_OK."""
@@ -1072,31 +1157,30 @@ class DeviceHarness:
     def _set_calls(self, q, mode, low_bit=False):
         """Ask for used buffer notifications ("on") or suppress them ("off"), by the spec's means."""
         v = q.view
+        q.verify_owned()   # before the harness writes over part of the driver area
         ahead = 0
-        if q.packed:
+        if q.packed:   # off_wrap, flags
             if mode == "on" and self.event_idx:   # DESC: the event slot at, inside or past what the round uses
                 ahead = 0 if low_bit else self.event_rng.choice([j for j in (0, 0, 1, 2, 3, 5, 8, 13, 40)
                                                                  if j < q.size])
                 pos = q.used_pos + ahead
-                v.driver_event[0] = pos % q.size | (q.used_wrap ^ (pos >= q.size)) << 15
-                v.driver_event[1] = RING_EVENT_FLAGS_DESC
+                q.write_driver_area({0: pos % q.size | (q.used_wrap ^ (pos >= q.size)) << 15,
+                                     1: RING_EVENT_FLAGS_DESC})
             else:
-                v.driver_event[1] = RING_EVENT_FLAGS_ENABLE if mode == "on" else RING_EVENT_FLAGS_DISABLE
-            q.drv_shadow = v.driver_bytes.copy()
-        else:
+                q.write_driver_area({1: RING_EVENT_FLAGS_ENABLE if mode == "on" else RING_EVENT_FLAGS_DISABLE})
+        else:          # flags, used_event
             n = q.size
             if self.event_idx:   # EVT-06: the device must ignore bit 0 of flags (set on purpose in some rounds)
-                v.avail[0] = VIRTQ_AVAIL_F_NO_INTERRUPT if low_bit else 0
                 # "on": used_event at the next index, or (EVT-07's other cases; not with EVT-06's bit, which stays
                 # the only question of its rounds) inside or past what the round will use: judged at the end by
                 # vring_need_event over what it did use
                 ahead = (0 if low_bit else self.event_rng.choice((0, 0, 1, 2, 3, 5, 8, 13, 40))) if mode == "on" \
                     else -1
-                v.avail[2 + n] = (q.used_ctr + ahead) & 0xFFFF
+                q.write_driver_area({0: VIRTQ_AVAIL_F_NO_INTERRUPT if low_bit else 0,
+                                     2 + n: (q.used_ctr + ahead) & 0xFFFF})
             else:                 # EVT-04: used_event holds garbage the device must ignore
-                v.avail[0] = 0 if mode == "on" else VIRTQ_AVAIL_F_NO_INTERRUPT
-                v.avail[2 + n] = self.rng.randrange(1 << 16)
-            q.avail_shadow = v.driver_bytes.copy()
+                q.write_driver_area({0: 0 if mode == "on" else VIRTQ_AVAIL_F_NO_INTERRUPT,
+                                     2 + n: self.rng.randrange(1 << 16)})
         q.call_state = (mode, low_bit, q.used_ctr if not q.packed else (q.used_pos, q.used_wrap),
                         ahead if q.packed else int(v.avail[2 + q.size]))
 
@@ -1195,6 +1279,7 @@ class DeviceHarness:
         for i, q in enumerate(self.q):
             self._check_calls(q, late[i], stray[i ^ 1])
             q.verify_owned()
+        self._verify_gaps()
         return len(bufs)
 
     def _wait(self, bufs):

@@ -16,7 +16,8 @@ CATALOG = {
     "FEAT-05": ("MUST", "the device offers VIRTIO_F_VERSION_1"),
     "GEN-01": ("MUST NOT", "no buffer consumed and no used notification before DRIVER_OK"),
     "SPLIT-L-01": ("DESC", "descriptor, driver and device areas at three separate addresses (reverse order)"),
-    "SPLIT-L-02": ("DESC", "avail ring only 2-aligned, used ring only 4-aligned: the device still works"),
+    "SPLIT-L-02": ("DESC", "avail ring only 2-aligned, used ring only 4-aligned: the device still works; it writes "
+                           "nothing outside the areas' sizes (used ring 6+8*QS)"),
     "SPLIT-L-05": ("DESC", "used element id is a 32-bit field (high bytes 0)"),
     "SPLIT-L-08": ("DESC", "each area written by one side only (device: not the avail ring; driver: not the used ring)"),
     "SPLIT-V-01": ("MUST NOT", "no assumption on descriptor layout: the header split anywhere works"),
@@ -42,6 +43,7 @@ CATALOG = {
     "EVT-22": ("DESC", "each event suppression area written by its owner only"),
     "EVT-23": ("DESC", "DESC mode: notify when the descriptor at off/wrap is used / made available"),
     "EVT-24": ("DESC", "packed: ENABLE -> a notification per publication (DISABLE -> none, reported as warn)"),
+    "PACKED-L-03": ("DESC", "descriptor ring 16*QS, event areas 4 bytes: the device writes nothing outside them"),
     "PACKED-V-01": ("DESC", "device wrap counter starts at 1 and toggles after the last slot"),
     "PACKED-V-02": ("DESC", "a used descriptor has AVAIL == USED == the device wrap counter"),
     "PACKED-V-03": ("MUST NOT", "no write to a device-readable buffer (nor outside the writable ones)"),

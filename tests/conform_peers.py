@@ -15,8 +15,12 @@
   (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
   frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
   notification sent 20 ms before the used entries are published, none after), ``call-swap`` (each queue's
-  notifications written to the other queue's call eventfd) or ``evt-first`` (with EVENT_IDX, a notification only
-  when the first used index a publication writes is used_event, not whenever the publication crosses it).
+  notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a notification only
+  when the first used index a publication writes is used_event, not whenever the publication crosses it),
+  ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its len: SPLIT-V-04),
+  ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when Rx buffers are used:
+  SPLIT-L-08) or ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx used ring, memory
+  the device was not given: SPLIT-L-02).
 """
 from __future__ import annotations
 
@@ -295,6 +299,9 @@ class _LoopQueues:
             tx.flush()
             if self.fault == "tx-len":
                 self.faults += 1
+        if self.fault == "scribble":   # the used ring ends at avail_event, 6 + 8 * size bytes in
+            self.dev.mem.write(tx.layout.device + 6 + 8 * tx.size, b"\xde\xad\xbe\xef" * 2)
+            self.faults += 1
         self._call(TX)
 
     def _receive(self, frame):
@@ -334,6 +341,13 @@ class _LoopQueues:
                 off += part
                 left -= part
         rx = self.q[RX]
+        if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor
+            self.views[RX].desc["len"][ids] = lens
+            self.faults += 1
+        if self.fault == "rx-avail-write":   # the avail slots read last cleared, one per buffer used
+            for k in range(len(ids)):
+                self.views[RX].avail[2 + (int(rx.c.last_avail) - 1 - k) % rx.size] = 0xFFFF
+            self.faults += 1
         rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
         rx.flush()
         self._call(RX)

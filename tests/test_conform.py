@@ -8,7 +8,8 @@
 * Wrong peers (tests/conform_peers.py): a backend that uses buffers out of order under IN_ORDER or completes
   one twice, a looping backend that writes num_buffers one too high, puts an IN_ORDER batch entry at the
   batch's last used slot or gives Tx buffers their readable length as used len (each blamed on its own row
-  only), a driver that offers an in-flight head again or changes a published descriptor (split and packed).
+  only), one that writes Rx descriptors, the avail ring or 8 bytes past a used ring (SPLIT-V-04, SPLIT-L-08,
+  SPLIT-L-02), a driver that offers an in-flight head again or changes a published descriptor (split and packed).
 * A correct packed driver whose Tx slots are given back by other buffers' used entries (completions out of
   order, the ring full) and refilled while the buffers published there are still held: no false PACKED-D-04.
 """
@@ -262,6 +263,36 @@ def test_conform_device_evt_07_catches_notification_only_at_the_first_index(tmp_
     rep, f = conform_loop_device(tmp_path, "evt-first", "--event-idx", "--scenarios", "batches")
     assert set(f) == {"EVT-07"}, f
     assert "crossing used_event" in f["EVT-07"][0], f
+
+
+def test_conform_device_split_v_04_catches_rx_descriptor_write(tmp_path):
+    """Each used Rx buffer's descriptor gets the bytes written as its len: SPLIT-V-04 fails with the entry and its
+    len. Before, publishing the Rx refill (inside the wait, after every Rx completion) re-copied the whole
+    descriptor table into the harness's copy, the device's write was taken as the harness's own and the run
+    passed; now the copies take only what the harness writes, and are compared before it writes again."""
+    rep, f = conform_loop_device(tmp_path, "rx-desc-write", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-V-04"}, f
+    assert all(e.startswith("rx: the device wrote descriptor table entry") for e in f["SPLIT-V-04"]), f
+    assert "len 1536 -> " in f["SPLIT-V-04"][0], f
+
+
+def test_conform_device_split_l_08_catches_rx_avail_ring_write(tmp_path):
+    """The avail slots the device read last overwritten with 0xFFFF as Rx buffers are used: SPLIT-L-08 fails with
+    the slot and the values (before, absorbed into the harness's copy of the avail ring as SPLIT-V-04 above)."""
+    rep, f = conform_loop_device(tmp_path, "rx-avail-write", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-L-08"}, f
+    assert f["SPLIT-L-08"][0].startswith("rx: the device wrote the avail ring (driver area): ring[") and \
+        "-> 0xffff" in f["SPLIT-L-08"][0], f
+
+
+def test_conform_device_split_l_02_catches_write_past_used_ring(tmp_path):
+    """8 bytes written just past the end of the Tx used ring (6 + 8*QS bytes), memory given to no one: the gaps
+    around the ring areas hold a canary, and SPLIT-L-02 fails naming the bytes and the area they follow.
+    Before, only the ring areas were compared and the run passed."""
+    rep, f = conform_loop_device(tmp_path, "scribble", "--scenarios", "batches")
+    assert set(f) == {"SPLIT-L-02"}, f
+    assert "-> deadbeefdeadbeef), just past the end of vring 1's used ring" in f["SPLIT-L-02"][0], f
+    assert len(f["SPLIT-L-02"]) == 1, f   # the same bytes written again: reported once
 
 
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
