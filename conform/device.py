@@ -308,6 +308,34 @@ class Queue:
                                               f"inside an in-order batch, after a buffer made available later")
         self.shadow[diff] = ring[diff]
 
+    def verify_device_flags(self):
+        """Packed, when the harness waited the stall time for the used descriptor at its used position: in the
+        slots the device owns (the lists in flight, from the used position on) every flags word the device
+        changed must be a used marking, AVAIL == USED == the device wrap counter for that slot (PACKED-V-02); with
+        IN_ORDER none may be one while the used position, the first slot of the oldest buffer in flight, still
+        holds the driver's descriptor: the next batch's used descriptor belongs there (INORDER-13). Checked only
+        then: a device may write the two flag bytes apart, or its used descriptors out of order."""
+        n, v = self.size, self.view
+        untouched = True   # the used position still holds the driver's descriptor
+        for j in range(self._inflight_descs()):
+            s = (self.used_pos + j) % n
+            flags, was = v.flags(s), int.from_bytes(self.shadow[s][14:16].tobytes(), "little")
+            if flags == was:
+                continue
+            wrap = self.used_wrap ^ (self.used_pos + j >= n)
+            a, u = used_bits(flags)
+            desc = f"id {int(v.desc[s]['id'])} len {int(v.desc[s]['len'])}"
+            if not a == u == wrap:
+                self.r.fail("PACKED-V-02", f"{self.name}: slot {s} (the device's, wrap {wrap}) flags {was:#x} -> "
+                                           f"{flags:#x} (AVAIL={a} USED={u}; {desc}) for {self.h.o.stall}s: "
+                                           f"neither the driver's descriptor nor a used one")
+            elif j and untouched and self.h.in_order:
+                self.r.fail("INORDER-13", f"{self.name}: slot {s} holds a used descriptor ({desc}, flags "
+                                          f"{flags:#x}), but slot {self.used_pos}, the next used position (where "
+                                          f"buffer {self.fifo[0]}, the oldest in flight, starts), still holds the "
+                                          f"driver's descriptor after {self.h.o.stall}s")
+            untouched = False   # the used position moved, or one report said it did not
+
     # -- adding buffers ---------------------------------------------------------------------------------------
 
     def room(self):
@@ -1325,6 +1353,8 @@ class DeviceHarness:
             time.sleep(0.0002 if moved else 0.001)
 
     def _stall_evidence(self, q, left):
+        """The run is about to end stalled on ``q`` (``left``: its buffers not used): the checks of what the
+        device wrote first, then where the queue stands."""
         head = left[0]
         if q.packed:
             s = q.used_pos
@@ -1332,12 +1362,30 @@ class DeviceHarness:
                      f"{int(q.view.desc[s]['id'])}")
         else:
             state = f"used idx {q.view.used_idx}, avail idx {q.view.avail_idx}"
-        if not self.in_order and q.max_used_order > head.order:
+        nfail = self.report.nfail()
+        for x in self.q:   # what the device wrote instead of what the harness waits for names what it broke
+            x.verify_owned()
+            if x.packed:
+                x.verify_device_flags()
+        if q.packed and self.in_order and self.report.nfail() == nfail and self._probe(q):
+            q.verify_device_flags()
+        if not self.in_order and q.max_used_order > head.order and self.report.nfail() == nfail:
             self.report.fail("INORDER-15", f"{q.name}: buffer {head.id} and others made available before buffers "
                                            f"that were used are never used (one used entry for several buffers "
                                            f"without IN_ORDER?)")
         return (f"{q.name}: {len(left)} buffers not used after {self.o.stall}s (first: id {head.id}, "
                 f"{head.chain.ndesc} descriptors); {state}")
+
+    def _probe(self, q):
+        """Tx stalled, packed, IN_ORDER, nothing named: one more buffer, made available after those waited for,
+        shows where the device writes its next used descriptor (past them: it moved its used position over
+        buffers it never used). Its frame is not waited for. False when there is no room for it."""
+        if not (q.free_tokens and q.dq.num_free):
+            return False
+        for b in self._send([self._tx_spec(60, 1)]):
+            del self.sent[b.seq], self.sent_len[b.seq]
+        time.sleep(min(self.o.stall, self.o.rx_wait))
+        return True
 
     # -- scenarios --------------------------------------------------------------------------------------------
 

@@ -222,6 +222,10 @@ class Report:
     def failed(self):
         return [r.id for r in self.results.values() if r.nfail]
 
+    def nfail(self):
+        """Failed observations so far, all IDs together."""
+        return sum(r.nfail for r in self.results.values())
+
     def exit_code(self):
         """1 when a requirement failed; 2 when the run ended on a connection/protocol error; else 0."""
         if self.failed():

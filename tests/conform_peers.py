@@ -8,19 +8,23 @@
   rule: ``reoffer`` (a head that is in flight is put in the avail ring again, in the same publication) or
   ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it;
   split or packed rings).
-* ``LoopDevice``: a small looping backend in Python (split rings, VERSION_1, IN_ORDER, MRG_RXBUF offered) for the
-  device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's num_buffers one too high),
-  ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last used slot, used idx still
-  moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as used len), ``hdr-only``
-  (an Rx buffer used with len header + frame, only the header written: the frame never is), ``stamp`` (each
-  frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the Tx used buffer
-  notification sent 20 ms before the used entries are published, none after), ``call-swap`` (each queue's
-  notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a notification only
-  when the first used index a publication writes is used_event, not whenever the publication crosses it),
-  ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its len: SPLIT-V-04),
-  ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when Rx buffers are used:
-  SPLIT-L-08) or ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx used ring, memory
-  the device was not given: SPLIT-L-02).
+* ``LoopDevice``: a small looping backend in Python (split or packed rings, VERSION_1, IN_ORDER, MRG_RXBUF,
+  EVENT_IDX offered) for the device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's
+  num_buffers one too high), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
+  used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as
+  used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written: the frame never
+  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the
+  Tx used buffer notification sent 20 ms before the used entries are published, none after), ``call-swap``
+  (each queue's notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a
+  notification only when the first used index a publication writes is used_event, not whenever the
+  publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
+  len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
+  Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
+  used ring, memory the device was not given: SPLIT-L-02), and on packed rings (one used descriptor per Tx
+  buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
+  AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list) or
+  ``short-id`` (IN_ORDER batches of 3 or more: one used descriptor at the batch's first slot naming its
+  second-to-last buffer, the used position moved by the whole batch).
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ import numpy as np
 
 from conform import frames
 from conform.driver import OFFERED_PROTOCOL, RX, TX, DriverHarness, DriverOptions, Session
-from conform.ringview import PackedView, SplitView
+from conform.ringview import PackedView, SplitView, view_for
 from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError
-from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER, VIRTIO_F_VERSION_1,
-                          VIRTIO_NET_F_MRG_RXBUF, bit, has)
+from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
+                          VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_AVAIL,
+                          VIRTQ_DESC_F_USED, bit, has)
 from rings.shm import MemoryTable
 from rings.virtq import DeviceQueue
 from vhost.device import NetDevice, Refused
@@ -227,13 +232,14 @@ class _LoopQueues:
         self.hdr = frames.hdr_size(dev.features)
         self.mrg = has(dev.features, VIRTIO_NET_F_MRG_RXBUF)
         self.in_order = has(dev.features, VIRTIO_F_IN_ORDER)
+        self.packed = has(dev.features, VIRTIO_F_RING_PACKED)
         self.q, self.views = [], []
         for v in dev.vrings:
             layout = dev._layout(v, v.addr)
             q = DeviceQueue(dev.cmem, layout, dev.features)
             q.set_base(v.base)
             self.q.append(q)
-            self.views.append(SplitView(dev.mem, layout))
+            self.views.append(view_for(dev.mem, layout))
         self.rx_free = deque()    # (id, writable segments, writable length) in poll order
         self.frames = deque()     # frames waiting for Rx buffers
         self.faults = 0
@@ -282,7 +288,10 @@ class _LoopQueues:
             tx.flush()
             self.faults += 1
             return
-        if self.fault == "batch-last" and self.in_order and k > 1:
+        if self.packed and (self.fault in ("no-avail", "adv1") or
+                            self.fault == "short-id" and self.in_order and k >= 3):
+            self._used_by_hand(tx, ids)
+        elif self.fault == "batch-last" and self.in_order and k > 1:
             # one entry for the batch, as a batching device writes it, but at the batch's last used slot
             # (INORDER-08 puts it at the first); the queue's own state moves as its flush would move it
             c, v, size = tx.c, self.views[TX], tx.size
@@ -303,6 +312,37 @@ class _LoopQueues:
             self.dev.mem.write(tx.layout.device + 6 + 8 * tx.size, b"\xde\xad\xbe\xef" * 2)
             self.faults += 1
         self._call(TX)
+
+    def _used_by_hand(self, tx, ids):
+        """Packed Tx: the used descriptors written with this LoopDevice's fault (len 0), the queue's state moved
+        as its flush would move it (adv1: its used position by 1 a buffer, its slot count right)."""
+        c, v, size = tx.c, self.views[TX], tx.size
+        used, wrap = int(c.used_idx), int(c.used_wrap)
+        ndesc = [int(tx.id_ndesc[i]) for i in ids]
+        heads = used + np.cumsum([0] + ndesc[:-1])   # the lists, polled just now, follow the used position
+        if self.fault == "short-id":   # one descriptor for the batch, at its first slot, but not its last id
+            entries = [(used, ids[-2])]
+        elif self.fault == "adv1":
+            entries = list(zip(used + np.arange(len(ids)), ids))
+        else:
+            entries = list(zip(heads, ids))
+        flags = [VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED if wrap ^ int(p >= size) else 0 for p, _u in entries]
+        if self.fault == "no-avail":
+            flags = [f & ~VIRTQ_DESC_F_AVAIL for f in flags]
+        for (pos, uid), f in zip(entries, flags):
+            d = v.desc[pos % size]
+            d["id"], d["len"] = uid, 0
+            d["flags"] = f   # after id and len
+        self.faults += {"no-avail": sum(f == VIRTQ_DESC_F_USED for f in flags), "short-id": 1,
+                        "adv1": sum(x > 1 for x in ndesc)}[self.fault]
+        adv = len(ids) if self.fault == "adv1" else sum(ndesc)
+        tx.id_inflight[ids] = 0
+        c.inflight = int(c.inflight) - len(ids)
+        c.inflight_slots = int(c.inflight_slots) - sum(ndesc)
+        c.call_added = (int(c.call_added) + adv) & 0xFFFF
+        c.shadow_count = 0
+        c.used_idx = (used + adv) % size
+        c.used_wrap = wrap ^ int(used + adv >= size)
 
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
@@ -359,10 +399,10 @@ class _LoopNetDevice(NetDevice):
 
     memory_table = MemoryTable   # its rings are read through numpy views (conform.ringview)
 
-    def __init__(self, fault):
+    def __init__(self, fault, packed=False):
         super().__init__(features=bit(VIRTIO_F_VERSION_1) | bit(VIRTIO_F_IN_ORDER) | bit(VIRTIO_NET_F_MRG_RXBUF)
-                         | bit(VIRTIO_F_EVENT_IDX)
-                         | bit(VHOST_USER_F_PROTOCOL_FEATURES), protocol_features=OFFERED_PROTOCOL)
+                         | bit(VIRTIO_F_EVENT_IDX) | bit(VHOST_USER_F_PROTOCOL_FEATURES)
+                         | (bit(VIRTIO_F_RING_PACKED) if packed else 0), protocol_features=OFFERED_PROTOCOL)
         self.fault = fault
         self.loop = None
         self.faults = 0
@@ -379,14 +419,15 @@ class _LoopNetDevice(NetDevice):
         if lp is not None:
             self.faults += lp.faults
             for v, q in zip(self.vrings, lp.q):
-                v.base = int(q.c.used_idx)
+                v.base = int(q.c.used_idx) | (int(q.c.used_wrap) << 15 if lp.packed else 0)
 
 
 class LoopDevice:
-    """A looping backend listening on ``sock`` (in a thread) with ``fault`` on; ``faults``: how often it struck."""
+    """A looping backend listening on ``sock`` (in a thread) with ``fault`` on, offering packed rings if
+    ``packed``; ``faults``: how often it struck."""
 
-    def __init__(self, sock, fault, seconds=60):
-        self.sock, self.fault, self.seconds = sock, fault, seconds
+    def __init__(self, sock, fault, seconds=60, packed=False):
+        self.sock, self.fault, self.seconds, self.packed = sock, fault, seconds, packed
         self.error = None
         self.faults = 0
         self.listener = vu.listen_unix(sock)
@@ -399,7 +440,7 @@ class LoopDevice:
         dev = conn = None
         try:
             conn = vu.accept_unix(self.listener, timeout=20)
-            dev = _LoopNetDevice(self.fault)
+            dev = _LoopNetDevice(self.fault, self.packed)
             end = time.monotonic() + self.seconds
             while not self.stop.is_set() and time.monotonic() < end:
                 if not self._serve(conn, dev):

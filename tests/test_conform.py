@@ -10,6 +10,8 @@
   batch's last used slot or gives Tx buffers their readable length as used len (each blamed on its own row
   only), one that writes Rx descriptors, the avail ring or 8 bytes past a used ring (SPLIT-V-04, SPLIT-L-08,
   SPLIT-L-02), a driver that offers an in-flight head again or changes a published descriptor (split and packed).
+* Packed looping backends that stall the harness by a fault (used flags without AVAIL, the used position moved
+  by 1 per list or past a buffer never used): the stall still names the row (exit 1).
 * A correct packed driver whose Tx slots are given back by other buffers' used entries (completions out of
   order, the ring full) and refilled while the buffers published there are still held: no false PACKED-D-04.
 """
@@ -177,17 +179,23 @@ def test_conform_device_split_v_15_catches_double_completion(tmp_path, packed):
         assert rep["error"] and "used id not in flight" in rep["error"]
 
 
-def conform_loop_device(tmp_path, fault, *args):
-    """`vring conform device` (split, in-order, ring 32) against a LoopDevice with ``fault``: (report, failed)."""
+def run_loop_device(tmp_path, fault, *args, packed=False):
+    """`vring conform device` (ring 32) against a LoopDevice with ``fault`` that fails the run: (report, failed)."""
     sock = str(tmp_path / "loop.sock")
-    dev = LoopDevice(sock, fault)
-    rc, rep, err = conform("device", "--socket", sock, "--ring-size", "32", "--split", "--in-order",
+    dev = LoopDevice(sock, fault, packed=packed)
+    rc, rep, err = conform("device", "--socket", sock, "--ring-size", "32", "--packed" if packed else "--split",
                            "--rx-wait", "0.3", *args)
     assert dev.join() and dev.error is None, dev.error
     assert dev.faults > 0, "the fault never struck"
     assert rc == 1 and rep is not None, (rc, err)
-    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
     return rep, failed(rep)
+
+
+def conform_loop_device(tmp_path, fault, *args):
+    """Split, in-order: the run goes to its end and every frame comes back: (report, failed)."""
+    rep, f = run_loop_device(tmp_path, fault, "--in-order", *args)
+    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
+    return rep, f
 
 
 def test_conform_device_net_29_catches_num_buffers_one_too_high(tmp_path):
@@ -293,6 +301,45 @@ def test_conform_device_split_l_02_catches_write_past_used_ring(tmp_path):
     assert set(f) == {"SPLIT-L-02"}, f
     assert "-> deadbeefdeadbeef), just past the end of vring 1's used ring" in f["SPLIT-L-02"][0], f
     assert len(f["SPLIT-L-02"]) == 1, f   # the same bytes written again: reported once
+
+
+def test_conform_device_packed_v_02_catches_used_flags_without_avail(tmp_path):
+    """Packed Tx used descriptors marked USED=1 AVAIL=0 on a lap with wrap counter 1: nothing the harness can
+    consume, the run stalls. Before it ends, PACKED-V-02 fails with the slots and their flags (exit 1, the stall
+    reported too); before, the run ended as a stall only (exit 2), PACKED-V-02 passing from the Rx side."""
+    rep, f = run_loop_device(tmp_path, "no-avail", "--in-order", "--stall", "1", "--scenarios", "start",
+                             packed=True)
+    assert set(f) == {"PACKED-V-02"}, f
+    assert "slot 0 (the device's, wrap 1) flags 0x80 -> 0x8000 (AVAIL=0 USED=1; id 0 len 0)" in f["PACKED-V-02"][0], f
+    assert rep["error"].startswith("Stalled:"), rep["error"]
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["inorder", "no-inorder"])
+def test_conform_device_packed_v_09_catches_used_position_advanced_by_one_per_list(tmp_path, in_order):
+    """Packed Tx: the used position moved by 1 per buffer, whatever the length of its list (the naive skip). The
+    used descriptors land in slots the harness counts as skipped inside a used list; it waits for the next one
+    at the slot after the list and stalls. Before it ends, PACKED-V-09 fails with those slots (with IN_ORDER,
+    INORDER-13 too: written inside a batch); before, the stall ended the run unexplained (exit 2), or (without
+    IN_ORDER) blamed on INORDER-15 with PACKED-V-09 not exercised. That guess is left out when the slots name
+    the fault."""
+    rep, f = run_loop_device(tmp_path, "adv1", "--in-order" if in_order else "--no-in-order", "--stall", "1",
+                             "--scenarios", "start,chains", packed=True)
+    assert set(f) == ({"PACKED-V-09", "INORDER-13", "INORDER-02"} if in_order else {"PACKED-V-09"}), f
+    assert "(a slot skipped inside a used list) changed: a used descriptor" in f["PACKED-V-09"][0], f
+    assert rep["error"].startswith("Stalled:"), rep["error"]
+
+
+def test_conform_device_inorder_13_catches_used_position_moved_past_unused_buffer(tmp_path):
+    """Packed, IN_ORDER: a batch's one used descriptor names its second-to-last buffer (the position moved by the
+    whole batch): the last buffer is never used and the run stalls. Before it ends, one more Tx buffer is
+    published; its used descriptor lands past the oldest buffer's first slot, still the driver's: INORDER-13
+    fails with both slots. Before, the run ended as a stall only (exit 2)."""
+    rep, f = run_loop_device(tmp_path, "short-id", "--in-order", "--stall", "1", "--scenarios", "start",
+                             packed=True)
+    assert set(f) == {"INORDER-13"}, f
+    assert ("slot 4 holds a used descriptor (id 4 len 0, flags 0x8080), but slot 3, the next used position (where "
+            "buffer 3, the oldest in flight, starts)") in f["INORDER-13"][0], f
+    assert rep["error"].startswith("Stalled:") and "4 frames sent" in rep["context"]["traffic"], rep
 
 
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
