@@ -1439,10 +1439,11 @@ class DeviceHarness:
                     self._packed_or_flags(q, c.head, VIRTQ_DESC_F_WRITE)
                     b.tags.add("PACKED-V-14")
             elif c.ndesc > 1:            # PACKED-V-10: the id is the last descriptor's; others hold garbage
+                # never an id in flight: a device returning the garbage must meet "not in flight" (PACKED-V-11)
+                # with the id the harness planted, not complete another buffer (all of a round is added already)
+                idle = [i for i in range(q.size) if i not in q.inflight]
                 for s in c.slots[:-1]:
-                    g = rng.randrange(q.size)
-                    while g == b.id:
-                        g = rng.randrange(q.size)
+                    g = rng.choice(idle)
                     v.desc[s]["id"] = g
                     b.planted_ids.add(g)
                 b.tags.add("PACKED-V-10")

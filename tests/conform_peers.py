@@ -22,9 +22,10 @@
   Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
   used ring, memory the device was not given: SPLIT-L-02), and on packed rings (one used descriptor per Tx
   buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
-  AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list) or
-  ``short-id`` (IN_ORDER batches of 3 or more: one used descriptor at the batch's first slot naming its
-  second-to-last buffer, the used position moved by the whole batch).
+  AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
+  ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
+  batches of 3 or more: one used descriptor at the batch's first slot naming its second-to-last buffer, the
+  used position moved by the whole batch).
 """
 from __future__ import annotations
 
@@ -288,7 +289,7 @@ class _LoopQueues:
             tx.flush()
             self.faults += 1
             return
-        if self.packed and (self.fault in ("no-avail", "adv1") or
+        if self.packed and (self.fault in ("no-avail", "adv1", "head-id") or
                             self.fault == "short-id" and self.in_order and k >= 3):
             self._used_by_hand(tx, ids)
         elif self.fault == "batch-last" and self.in_order and k > 1:
@@ -324,6 +325,8 @@ class _LoopQueues:
             entries = [(used, ids[-2])]
         elif self.fault == "adv1":
             entries = list(zip(used + np.arange(len(ids)), ids))
+        elif self.fault == "head-id":   # read before any is overwritten
+            entries = [(h, int(v.desc[h % size]["id"])) for h in heads]
         else:
             entries = list(zip(heads, ids))
         flags = [VIRTQ_DESC_F_AVAIL | VIRTQ_DESC_F_USED if wrap ^ int(p >= size) else 0 for p, _u in entries]
@@ -334,7 +337,8 @@ class _LoopQueues:
             d["id"], d["len"] = uid, 0
             d["flags"] = f   # after id and len
         self.faults += {"no-avail": sum(f == VIRTQ_DESC_F_USED for f in flags), "short-id": 1,
-                        "adv1": sum(x > 1 for x in ndesc)}[self.fault]
+                        "adv1": sum(x > 1 for x in ndesc),
+                        "head-id": sum(u != i for (_p, u), i in zip(entries, ids))}[self.fault]
         adv = len(ids) if self.fault == "adv1" else sum(ndesc)
         tx.id_inflight[ids] = 0
         c.inflight = int(c.inflight) - len(ids)

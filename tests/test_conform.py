@@ -11,7 +11,8 @@
   only), one that writes Rx descriptors, the avail ring or 8 bytes past a used ring (SPLIT-V-04, SPLIT-L-08,
   SPLIT-L-02), a driver that offers an in-flight head again or changes a published descriptor (split and packed).
 * Packed looping backends that stall the harness by a fault (used flags without AVAIL, the used position moved
-  by 1 per list or past a buffer never used): the stall still names the row (exit 1).
+  by 1 per list or past a buffer never used): the stall still names the row (exit 1); used ids taken from the
+  head descriptor, where the harness planted garbage that is never an id in flight (PACKED-V-10).
 * A correct packed driver whose Tx slots are given back by other buffers' used entries (completions out of
   order, the ring full) and refilled while the buffers published there are still held: no false PACKED-D-04.
 """
@@ -340,6 +341,18 @@ def test_conform_device_inorder_13_catches_used_position_moved_past_unused_buffe
     assert ("slot 4 holds a used descriptor (id 4 len 0, flags 0x8080), but slot 3, the next used position (where "
             "buffer 3, the oldest in flight, starts)") in f["INORDER-13"][0], f
     assert rep["error"].startswith("Stalled:") and "4 frames sent" in rep["context"]["traffic"], rep
+
+
+def test_conform_device_packed_v_10_catches_id_from_head_descriptor(tmp_path):
+    """Packed Tx used ids read from the list's first descriptor, where the harness plants garbage ids. The
+    garbage is never an id in flight, so the used id is always one not in flight: PACKED-V-10 and PACKED-V-11
+    fail. Before, the garbage could be the id of another buffer in flight (seed 34 here): that buffer counted as
+    used, the run stalled on the one really used, blamed on INORDER-15, PACKED-V-10 passing."""
+    rep, f = run_loop_device(tmp_path, "head-id", "--no-in-order", "--seed", "34", "--stall", "1",
+                             "--scenarios", "start,batches,chains", packed=True)
+    assert set(f) == {"PACKED-V-10", "PACKED-V-11"}, f
+    assert "is a garbage id the harness wrote in a non-last descriptor" in f["PACKED-V-10"][0], f
+    assert "used id not in flight" in rep["error"], rep["error"]
 
 
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
