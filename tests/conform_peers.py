@@ -17,7 +17,9 @@
   Tx used buffer notification sent 20 ms before the used entries are published, none after), ``call-swap``
   (each queue's notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a
   notification only when the first used index a publication writes is used_event, not whenever the
-  publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
+  publication crosses it; packed: the first used slot is the DESC event slot, wrap ignored), ``gen01`` (the
+  rings started before DRIVER_OK: Tx frames looped into Rx buffers at once, unannounced, the Tx buffers used
+  after DRIVER_OK), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
   len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
   Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
   used ring, memory the device was not given: SPLIT-L-02), and on packed rings (one used descriptor per Tx
@@ -47,7 +49,7 @@ from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VI
                           VIRTQ_DESC_F_USED, bit, has)
 from rings.shm import MemoryTable
 from rings.virtq import DeviceQueue
-from vhost.device import NetDevice, Refused
+from vhost.device import STATUS_DRIVER_OK, NetDevice, Refused
 from vhost.testing import HDR, ScriptedFrontend
 
 
@@ -244,6 +246,11 @@ class _LoopQueues:
         self.rx_free = deque()    # (id, writable segments, writable length) in poll order
         self.frames = deque()     # frames waiting for Rx buffers
         self.faults = 0
+        self.held_tx = []         # gen01: Tx completions held until DRIVER_OK
+
+    def _early(self):
+        """gen01: running before DRIVER_OK."""
+        return self.fault == "gen01" and not self.dev.status & STATUS_DRIVER_OK
 
     def step(self):
         """One poll of both queues. Returns True when something moved."""
@@ -256,7 +263,15 @@ class _LoopQueues:
             for k in range(n):
                 data = b"".join(self.dev.mem.read(a, ln) for a, ln, w in ch.segments(k) if not w)
                 self.frames.append(data[self.hdr:])
-            self._complete_tx(ids, lens)
+            if self._early():   # the frames are looped now, their Tx buffers used only after DRIVER_OK
+                self.held_tx.append((ids, lens))
+                self.faults += 1
+            else:
+                self._complete_tx(ids, lens)
+        if self.held_tx and not self._early():
+            for ids, lens in self.held_tx:
+                self._complete_tx(ids, lens)
+            self.held_tx = []
         ch = rx.poll()
         for k in range(ch.n):
             segs = [(a, ln) for a, ln, w in ch.segments(k) if w]
@@ -268,12 +283,19 @@ class _LoopQueues:
     def _call(self, index):
         swap = self.fault == "call-swap"   # the right decision, the other queue's eventfd
         q, fd = self.q[index], self.dev.vrings[index ^ 1 if swap else index].callfd
-        old = (int(q.c.used_idx) - int(q.c.call_added)) & 0xFFFF   # used idx before what this call is for
+        old = int(q.c.used_idx) - int(q.c.call_added)   # the used idx / slot before what this call is for
         want = q.call_prepare()
-        if self.fault == "evt-first":   # EVENT_IDX done naively: only when the first index written is used_event
-            naive = int(self.views[index].avail[2 + q.size]) == old
+        v = self.views[index]
+        if self.fault == "evt-first" and not self.packed:   # EVENT_IDX done naively: only when the first index
+            naive = int(v.avail[2 + q.size]) == old & 0xFFFF   # written is used_event
             self.faults += naive != want
             want = naive
+        if self.fault == "evt-first" and self.packed and int(v.driver_event[1]) == 2:   # DESC: the first used
+            naive = int(v.driver_event[0]) & 0x7FFF == old % q.size   # slot written is the event slot (no wrap)
+            self.faults += naive != want
+            want = naive
+        if self._early():   # nothing announced before DRIVER_OK
+            return
         if fd >= 0 and want:
             os.eventfd_write(fd, 1)
             self.faults += swap
@@ -410,6 +432,15 @@ class _LoopNetDevice(NetDevice):
         self.fault = fault
         self.loop = None
         self.faults = 0
+
+    def ready(self):
+        if self.fault == "gen01":   # starts once the rings are set, without waiting for DRIVER_OK
+            status, self.status = self.status, self.status | STATUS_DRIVER_OK
+            try:
+                return super().ready()
+            finally:
+                self.status = status
+        return super().ready()
 
     def update(self):
         if self.ready():

@@ -274,6 +274,26 @@ def test_conform_device_evt_07_catches_notification_only_at_the_first_index(tmp_
     assert "crossing used_event" in f["EVT-07"][0], f
 
 
+def test_conform_device_evt_23_catches_notification_only_at_the_first_used_slot(tmp_path):
+    """Packed EVENT_IDX done naively: DESC mode notifies only when a publication's first used slot is the event
+    slot. The harness put the event slot only at the next used slot, where that agrees with the spec, and the run
+    passed; it now also places it inside and past the round, and EVT-23 fails over the slots crossed."""
+    rep, f = run_loop_device(tmp_path, "evt-first", "--in-order", "--event-idx", "--scenarios", "batches",
+                             packed=True)
+    assert set(f) == {"EVT-23"}, f
+    assert "over the event slot" in f["EVT-23"][0], f
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_device_gen_01_catches_rx_buffers_used_before_driver_ok(tmp_path, packed):
+    """A backend running its rings before DRIVER_OK loops the early Tx frames into Rx buffers (unannounced) and
+    uses the Tx buffers only after DRIVER_OK: GEN-01 fails. On packed rings only the Tx heads were compared, and
+    the run passed."""
+    rep, f = run_loop_device(tmp_path, "gen01", "--in-order", "--scenarios", "start", packed=packed)
+    assert set(f) == {"GEN-01"}, f
+    assert ("rx slot" if packed else "(rx)") in f["GEN-01"][0], f
+
+
 def test_conform_device_split_v_04_catches_rx_descriptor_write(tmp_path):
     """Each used Rx buffer's descriptor gets the bytes written as its len: SPLIT-V-04 fails with the entry and its
     len. Before, publishing the Rx refill (inside the wait, after every Rx completion) re-copied the whole
