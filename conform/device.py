@@ -59,6 +59,7 @@ GAP = 16                   # canary bytes before, between and after segments
 INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay direct
 RX_BUF = 1536              # one Rx buffer: header + the largest frame
 USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
+LATE_LEN_WAIT = 0.25       # seconds to wait for a used len that was not set before used idx (SPLIT-V-08)
 
 #: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
 ENCODINGS = {"SPLIT-V-01", "SPLIT-V-05", "SPLIT-V-07", "PACKED-V-08", "PACKED-V-10", "PACKED-V-13", "PACKED-V-14",
@@ -204,6 +205,7 @@ class Queue:
             self.used_ctr = base                # the harness's own used index (free-running)
             self.consumed = []                  # used slots read since the last reclaim
             self.garbage_heads = {}             # head planted beyond avail idx -> its avail position (SPLIT-V-13)
+            self.len_never_set = False          # a used len never came (SPLIT-V-08): wait for no other
         self.take_shadows()
 
     # -- shadows: what the device may not change -------------------------------------------------------------
@@ -520,6 +522,8 @@ class Queue:
                 raise Broken(f"{self.name}: used id not in flight")
             r.ok("SPLIT-V-15")
             r.ok("SPLIT-V-12")
+            if ulen == USED_CANARY[1]:   # no len is that long: the harness's canary, the len not written yet
+                ulen = self._len_set_late(slot, pos, used_idx, uid)
             if ulen > b.wlen:   # reported with the buffer (_tx_done/_rx_done); let our driver recycle it
                 self.view.used_raw[slot, 1] = b.wlen
             if self.h.in_order:
@@ -546,6 +550,26 @@ class Queue:
                 self.consumed.append(slot)
                 self.used_ctr = (pos + 1) & 0xFFFF
         return out
+
+    def _len_set_late(self, slot, pos, used_idx, uid):
+        """SPLIT-V-08: used.ring[slot] names buffer ``uid`` but its len still holds the canary the harness wrote
+        there, though used idx already covers the slot. Waits a little for the len, so the buffer is judged by
+        the len the device gives it (one never set stays the canary and fails with the buffer too)."""
+        t0 = time.monotonic()
+        ulen, waits = USED_CANARY[1], not self.len_never_set
+        while ulen == USED_CANARY[1] and waits and time.monotonic() - t0 < LATE_LEN_WAIT:
+            time.sleep(0.0005)
+            ulen = int(self.view.used_raw[slot, 1])
+        late = time.monotonic() - t0
+        if ulen != USED_CANARY[1]:
+            then = f"it became {ulen} {late * 1000:.1f} ms later"
+        else:
+            self.len_never_set = True
+            then = f"still not set {late:.2f} s later" if waits else "not waited for: an earlier len never came"
+        self.r.fail("SPLIT-V-08", f"{self.name}: used.ring[{slot}] (used idx {pos}) names buffer {uid} with len "
+                                  f"{USED_CANARY[1]:#x}, the canary the harness wrote there, after used idx moved "
+                                  f"to {used_idx}: the len was not set before used idx ({then})")
+        return ulen
 
     def _fifo_brief(self):
         return _brief(list(self.fifo))

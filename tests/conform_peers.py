@@ -20,8 +20,9 @@
   publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
   len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
   Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
-  used ring, memory the device was not given: SPLIT-L-02), and on packed rings (one used descriptor per Tx
-  buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
+  used ring, memory the device was not given: SPLIT-L-02), on split rings ``len-late`` (used entries published
+  with the id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used
+  descriptor per Tx buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
   ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
   batches of 3 or more: one used descriptor at the batch's first slot naming its second-to-last buffer, the
@@ -294,17 +295,11 @@ class _LoopQueues:
             self._used_by_hand(tx, ids)
         elif self.fault == "batch-last" and self.in_order and k > 1:
             # one entry for the batch, as a batching device writes it, but at the batch's last used slot
-            # (INORDER-08 puts it at the first); the queue's own state moves as its flush would move it
-            c, v, size = tx.c, self.views[TX], tx.size
-            pos = int(c.used_idx)
-            v.used_raw[(pos + k - 1) % size] = (ids[-1], lens[-1])
-            tx.id_inflight[ids] = 0
-            c.inflight = int(c.inflight) - k
-            c.shadow_count = 0
-            c.call_added = (int(c.call_added) + k) & 0xFFFF
-            c.used_idx = (pos + k) & 0xFFFF
-            v.used_hdr[1] = c.used_idx
+            # (INORDER-08 puts it at the first)
+            self._split_used_by_hand(TX, ids, [(k - 1, ids[-1], lens[-1])])
             self.faults += 1
+        elif self.fault == "len-late" and not self.packed:
+            self._len_late(TX, ids, lens)
         else:
             tx.flush()
             if self.fault == "tx-len":
@@ -347,6 +342,34 @@ class _LoopQueues:
         c.shadow_count = 0
         c.used_idx = (used + adv) % size
         c.used_wrap = wrap ^ int(used + adv >= size)
+
+    def _split_used_by_hand(self, index, ids, entries):
+        """Split: publish the pushed (not flushed) buffers ``ids`` by hand: ``entries`` [(offset from used idx, id, len or
+        None: left as it is)] written, used idx moved by all of ``ids``; the queue's own state moves as its flush
+        would move it. Returns the used idx before."""
+        q, v = self.q[index], self.views[index]
+        c, size, k = q.c, q.size, len(ids)
+        pos = int(c.used_idx)
+        for off, i, ln in entries:
+            v.used_raw[(pos + off) % size, 0] = i
+            if ln is not None:
+                v.used_raw[(pos + off) % size, 1] = ln
+        q.id_inflight[ids] = 0
+        c.inflight = int(c.inflight) - k
+        c.shadow_count = 0
+        c.call_added = (int(c.call_added) + k) & 0xFFFF
+        c.used_idx = (pos + k) & 0xFFFF
+        v.used_hdr[1] = c.used_idx
+        return pos
+
+    def _len_late(self, index, ids, lens):
+        """len-late (split): one used entry per buffer with its id only, used idx moved; the lens 20 ms later
+        (until then the slots keep what the harness wrote there: its canary)."""
+        pos = self._split_used_by_hand(index, ids, [(j, i, None) for j, i in enumerate(ids)])
+        time.sleep(0.02)
+        for j, ln in enumerate(lens):
+            self.views[index].used_raw[(pos + j) % self.q[index].size, 1] = ln
+        self.faults += 1
 
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
@@ -393,7 +416,10 @@ class _LoopQueues:
                 self.views[RX].avail[2 + (int(rx.c.last_avail) - 1 - k) % rx.size] = 0xFFFF
             self.faults += 1
         rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
-        rx.flush()
+        if self.fault == "len-late" and not self.packed:
+            self._len_late(RX, ids, lens)
+        else:
+            rx.flush()
         self._call(RX)
         return True
 

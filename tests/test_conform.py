@@ -355,6 +355,17 @@ def test_conform_device_packed_v_10_catches_id_from_head_descriptor(tmp_path):
     assert "used id not in flight" in rep["error"], rep["error"]
 
 
+def test_conform_device_split_v_08_catches_used_len_set_after_used_idx(tmp_path):
+    """Used entries published with their ids, used idx moved, the lens written 20 ms later: SPLIT-V-08 fails on
+    both queues naming the slot, the canary the len still held and the len it became; the buffers are judged by
+    that len (before, SPLIT-V-11 and NET-21 failed on the harness's own canary as if it were the device's len)."""
+    rep, f = conform_loop_device(tmp_path, "len-late", "--scenarios", "batches", "--rx-wait", "2")   # 20 ms a frame
+    assert set(f) == {"SPLIT-V-08"}, f
+    ev = f["SPLIT-V-08"]
+    assert any(e.startswith("tx:") for e in ev) and any(e.startswith("rx:") for e in ev), ev
+    assert "with len 0xc0decafe, the canary the harness wrote there" in ev[0] and "it became" in ev[0], ev
+
+
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
     """A driver that puts a head still in flight into the avail ring again: the device refuses the ring."""
     sock = str(tmp_path / "drv.sock")
