@@ -1069,6 +1069,14 @@ class DeviceHarness:
         i = 0
         while i < len(items):
             b, ln, sk = items[i]
+            if sk and self._rx_bytes(b, b.wlen) == self._canary_bytes(b, b.wlen):
+                entry = next((x.id for x, _l, s in items[i + 1:] if not s), None)
+                r.fail("INORDER-10", f"rx: buffer {b.id} ({b.wlen} writable bytes) was skipped by the in-order "
+                                     f"batch entry" + (f" for buffer {entry}" if entry is not None else "")
+                       + ": a skipped buffer counts as used with all its bytes written, but the device wrote none "
+                         "of them (still the canary the harness filled it with)")
+                i += 1
+                continue
             if ln < self.hdr:
                 r.fail(len_id, f"rx: used len {ln} for buffer {b.id}: shorter than the {self.hdr}-byte header")
                 i += 1
@@ -1646,7 +1654,8 @@ class DeviceHarness:
             (rid in ("NET-29", "NET-30", "NET-31", "PACKED-V-16") and not mrg, "with MRG_RXBUF only (--mrg-rxbuf)"),
             (rid in ("SPLIT-V-05", "SPLIT-V-07", "PACKED-V-13", "PACKED-V-14", "PACKED-V-15")
              and not has(self.features, VIRTIO_F_INDIRECT_DESC), "INDIRECT_DESC not negotiated"),
-            (rid in ("INORDER-07", "INORDER-08", "INORDER-10"), "the device wrote no batch entry"),
+            (rid in ("INORDER-07", "INORDER-08") and not any(self.batched), "the device wrote no batch entry"),
+            (rid == "INORDER-10" and not self.batched[RX], "the device wrote no Rx batch entry (no buffer skipped)"),
             (rid == "GEN-01" and not self.fe.has_status, "STATUS not negotiated: DRIVER_OK is not visible"),
         ]
         return next((why for cond, why in rules if cond), "")

@@ -20,8 +20,10 @@
   publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
   len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
   Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
-  used ring, memory the device was not given: SPLIT-L-02), on split rings ``len-late`` (used entries published
-  with the id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used
+  used ring, memory the device was not given: SPLIT-L-02), ``rx-skip`` (IN_ORDER Rx batches: every third frame,
+  the next Rx buffer is skipped, never written, inside the batch entry of the buffer that holds the frame:
+  INORDER-10), on split rings ``len-late`` (used entries published with the id, used idx moved, the len written
+  20 ms later: SPLIT-V-08), and on packed rings (one used
   descriptor per Tx buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
   ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
@@ -236,15 +238,16 @@ class _LoopQueues:
         self.in_order = has(dev.features, VIRTIO_F_IN_ORDER)
         self.packed = has(dev.features, VIRTIO_F_RING_PACKED)
         self.q, self.views = [], []
-        for v in dev.vrings:
+        for i, v in enumerate(dev.vrings):
             layout = dev._layout(v, v.addr)
-            q = DeviceQueue(dev.cmem, layout, dev.features)
+            q = DeviceQueue(dev.cmem, layout, dev.features, in_order_batch=fault == "rx-skip" and i == RX)
             q.set_base(v.base)
             self.q.append(q)
             self.views.append(view_for(dev.mem, layout))
         self.rx_free = deque()    # (id, writable segments, writable length) in poll order
         self.frames = deque()     # frames waiting for Rx buffers
         self.faults = 0
+        self.nframes = 0
 
     def step(self):
         """One poll of both queues. Returns True when something moved."""
@@ -374,26 +377,33 @@ class _LoopQueues:
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
         need = self.hdr + len(frame)
+        skip = 1 if self.fault == "rx-skip" and self.in_order and self.nframes % 3 == 2 else 0
         take, room = 0, 0
-        while room < need and take < len(self.rx_free) and (self.mrg or take == 0):
-            room += self.rx_free[take][2]
+        while room < need and skip + take < len(self.rx_free) and (self.mrg or take == 0):
+            room += self.rx_free[skip + take][2]
             take += 1
         if room < need:
-            if not self.mrg and self.rx_free:   # too big for one buffer: dropped, as a device may
+            if not self.mrg and len(self.rx_free) > skip:   # too big for one buffer: dropped, as a device may
                 return True
             return False
+        self.nframes += 1
+        ids, lens, off = [], [], 0
+        if skip:   # used as if written completely, never written: the batch entry names the next buffer
+            bid, _segs, wlen = self.rx_free.popleft()
+            ids.append(bid)
+            lens.append(wlen)
+            self.faults += 1
         bufs = [self.rx_free.popleft() for _ in range(take)]
         nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
         self.faults += nb != take
-        data = frames.net_hdr(num_buffers=nb)[:self.hdr] + frame
+        hdr = frames.net_hdr(num_buffers=nb)[:self.hdr]
         if self.fault == "stamp" and len(frame) > frames.STAMP_OFF:   # one byte of the harness's stamp changed
             frame = frame[:frames.STAMP_OFF] + bytes([frame[frames.STAMP_OFF] ^ 0xFF]) + frame[frames.STAMP_OFF + 1:]
-            data = data[:self.hdr] + frame
             self.faults += 1
+        data = hdr + frame
         if self.fault == "hdr-only":   # used len covers header + frame, but only the header is ever written
             data = data[:self.hdr]
             self.faults += 1
-        ids, lens, off = [], [], 0
         for bid, segs, wlen in bufs:
             used = min(wlen, need - off)
             ids.append(bid)

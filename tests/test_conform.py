@@ -355,6 +355,20 @@ def test_conform_device_packed_v_10_catches_id_from_head_descriptor(tmp_path):
     assert "used id not in flight" in rep["error"], rep["error"]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+@pytest.mark.parametrize("mrg", [False, True], ids=["one-buffer", "mrg"])
+def test_conform_device_inorder_10_catches_skipped_rx_buffer_never_written(tmp_path, packed, mrg):
+    """IN_ORDER Rx batches that skip a buffer the device never wrote (the batch entry names the next one, which
+    holds the frame): INORDER-10 fails naming the skipped buffer and the entry; the canary in it is not parsed as
+    a packet (no header, num_buffers or data rows fail), and no note says the device wrote no batch entry."""
+    rep, f = run_loop_device(tmp_path, "rx-skip", "--in-order", "--scenarios", "batches", *(["--mrg-rxbuf"] * mrg),
+                             packed=packed)
+    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
+    assert set(f) == {"INORDER-10"}, f
+    assert "was skipped by the in-order batch entry for buffer" in f["INORDER-10"][0], f
+    assert "the device wrote none of them" in f["INORDER-10"][0], f
+
+
 def test_conform_device_split_v_08_catches_used_len_set_after_used_idx(tmp_path):
     """Used entries published with their ids, used idx moved, the lens written 20 ms later: SPLIT-V-08 fails on
     both queues naming the slot, the canary the len still held and the len it became; the buffers are judged by
