@@ -13,18 +13,20 @@
   num_buffers one too high), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
   used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as
   used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written: the frame never
-  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the
-  Tx used buffer notification sent 20 ms before the used entries are published, none after), ``call-swap``
-  (each queue's notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a
-  notification only when the first used index a publication writes is used_event, not whenever the
-  publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
-  len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
-  Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
-  used ring, memory the device was not given: SPLIT-L-02), ``rx-skip`` (IN_ORDER Rx batches: every third frame,
-  the next Rx buffer is skipped, never written, inside the batch entry of the buffer that holds the frame:
-  INORDER-10), on split rings ``len-late`` (used entries published with the id, used idx moved, the len written
-  20 ms later: SPLIT-V-08), and on packed rings (one used
-  descriptor per Tx buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
+  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``stamp-run`` (one
+  bit of the stamp's run id flipped: SPLIT-V-09 / MEM-07), ``hdr20`` / ``hdr10`` (the frame after a 20-byte
+  header, the HASH_REPORT layout, or after the legacy 10-byte one, neither negotiated; num_buffers right:
+  NET-02 / NET-03), ``call-early`` (the Tx used buffer notification sent 20 ms before the used entries are
+  published, none after), ``call-swap`` (each queue's notifications written to the other queue's call
+  eventfd), ``evt-first`` (with EVENT_IDX, a notification only when the first used index a publication writes
+  is used_event, not whenever the publication crosses it), ``rx-desc-write`` (each used Rx buffer's descriptor
+  gets the bytes written as its len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are
+  overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8
+  bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02), ``rx-skip``
+  (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
+  of the buffer that holds the frame: INORDER-10), on split rings ``len-late`` (used entries published with the
+  id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
+  buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
   ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
   batches of 3 or more: one used descriptor at the batch's first slot naming its second-to-last buffer, the
@@ -376,7 +378,8 @@ class _LoopQueues:
 
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
-        need = self.hdr + len(frame)
+        hsize = {"hdr20": 20, "hdr10": 10}.get(self.fault, self.hdr)   # hdr20/hdr10: a header of another size
+        need = hsize + len(frame)
         skip = 1 if self.fault == "rx-skip" and self.in_order and self.nframes % 3 == 2 else 0
         take, room = 0, 0
         while room < need and skip + take < len(self.rx_free) and (self.mrg or take == 0):
@@ -396,9 +399,14 @@ class _LoopQueues:
         bufs = [self.rx_free.popleft() for _ in range(take)]
         nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
         self.faults += nb != take
-        hdr = frames.net_hdr(num_buffers=nb)[:self.hdr]
+        hdr = (frames.net_hdr(num_buffers=nb) + bytes(8))[:hsize]   # (num_buffers right, where there is one)
+        self.faults += hsize != self.hdr
         if self.fault == "stamp" and len(frame) > frames.STAMP_OFF:   # one byte of the harness's stamp changed
             frame = frame[:frames.STAMP_OFF] + bytes([frame[frames.STAMP_OFF] ^ 0xFF]) + frame[frames.STAMP_OFF + 1:]
+            self.faults += 1
+        if self.fault == "stamp-run" and len(frame) > frames.STAMP_OFF + 4:   # one bit of the stamp's run id
+            j = frames.STAMP_OFF + 4
+            frame = frame[:j] + bytes([frame[j] ^ 0x01]) + frame[j + 1:]
             self.faults += 1
         data = hdr + frame
         if self.fault == "hdr-only":   # used len covers header + frame, but only the header is ever written
