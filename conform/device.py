@@ -59,6 +59,7 @@ GAP = 16                   # canary bytes before, between and after segments
 INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay direct
 RX_BUF = 1536              # one Rx buffer: header + the largest frame
 USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
+LATE_LEN_WAIT = 0.25       # seconds to wait for a used len that was not set before used idx (SPLIT-V-08)
 
 #: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
 ENCODINGS = {"SPLIT-V-01", "SPLIT-V-05", "SPLIT-V-07", "PACKED-V-08", "PACKED-V-10", "PACKED-V-13", "PACKED-V-14",
@@ -77,8 +78,8 @@ IDS = ["FEAT-05", "GEN-01",
        "PACKED-V-15", "PACKED-V-16", "PACKED-V-18",
        "INORDER-02", "INORDER-07", "INORDER-08", "INORDER-10", "INORDER-13", "INORDER-15", "INORDER-16",
        "MEM-07",
-       "NET-17", "NET-18", "NET-21", "NET-27", "NET-28", "NET-29", "NET-30", "NET-31", "NET-33", "NET-34",
-       "NET-35"]
+       "NET-02", "NET-03", "NET-17", "NET-18", "NET-21", "NET-27", "NET-28", "NET-29", "NET-30", "NET-31", "NET-33",
+       "NET-34", "NET-35"]
 
 # rows that only one ring format can exercise (SPLIT-V-01, message framing, holds for both)
 SPLIT_ONLY = {i for i in IDS if i.startswith("SPLIT-") and i != "SPLIT-V-01"} | {
@@ -204,6 +205,7 @@ class Queue:
             self.used_ctr = base                # the harness's own used index (free-running)
             self.consumed = []                  # used slots read since the last reclaim
             self.garbage_heads = {}             # head planted beyond avail idx -> its avail position (SPLIT-V-13)
+            self.len_never_set = False          # a used len never came (SPLIT-V-08): wait for no other
         self.take_shadows()
 
     # -- shadows: what the device may not change -------------------------------------------------------------
@@ -520,6 +522,8 @@ class Queue:
                 raise Broken(f"{self.name}: used id not in flight")
             r.ok("SPLIT-V-15")
             r.ok("SPLIT-V-12")
+            if ulen == USED_CANARY[1]:   # no len is that long: the harness's canary, the len not written yet
+                ulen = self._len_set_late(slot, pos, used_idx, uid)
             if ulen > b.wlen:   # reported with the buffer (_tx_done/_rx_done); let our driver recycle it
                 self.view.used_raw[slot, 1] = b.wlen
             if self.h.in_order:
@@ -546,6 +550,26 @@ class Queue:
                 self.consumed.append(slot)
                 self.used_ctr = (pos + 1) & 0xFFFF
         return out
+
+    def _len_set_late(self, slot, pos, used_idx, uid):
+        """SPLIT-V-08: used.ring[slot] names buffer ``uid`` but its len still holds the canary the harness wrote
+        there, though used idx already covers the slot. Waits a little for the len, so the buffer is judged by
+        the len the device gives it (one never set stays the canary and fails with the buffer too)."""
+        t0 = time.monotonic()
+        ulen, waits = USED_CANARY[1], not self.len_never_set
+        while ulen == USED_CANARY[1] and waits and time.monotonic() - t0 < LATE_LEN_WAIT:
+            time.sleep(0.0005)
+            ulen = int(self.view.used_raw[slot, 1])
+        late = time.monotonic() - t0
+        if ulen != USED_CANARY[1]:
+            then = f"it became {ulen} {late * 1000:.1f} ms later"
+        else:
+            self.len_never_set = True
+            then = f"still not set {late:.2f} s later" if waits else "not waited for: an earlier len never came"
+        self.r.fail("SPLIT-V-08", f"{self.name}: used.ring[{slot}] (used idx {pos}) names buffer {uid} with len "
+                                  f"{USED_CANARY[1]:#x}, the canary the harness wrote there, after used idx moved "
+                                  f"to {used_idx}: the len was not set before used idx ({then})")
+        return ulen
 
     def _fifo_brief(self):
         return _brief(list(self.fifo))
@@ -733,6 +757,7 @@ class DeviceHarness:
         self.sent_len: dict[int, int] = {}        # seq -> frame length (kept after the frame came back)
         self.received: set[int] = set()
         self.foreign = 0
+        self.damaged = 0                           # frames of this run back damaged beyond telling which one
         self.loops = None                          # does the backend bring frames back? (None: not known yet)
         self.kicks = [0, 0]
         self.batched = [0, 0]
@@ -1045,26 +1070,39 @@ class DeviceHarness:
         i = 0
         while i < len(items):
             b, ln, sk = items[i]
+            if sk and self._rx_bytes(b, b.wlen) == self._canary_bytes(b, b.wlen):
+                entry = next((x.id for x, _l, s in items[i + 1:] if not s), None)
+                r.fail("INORDER-10", f"rx: buffer {b.id} ({b.wlen} writable bytes) was skipped by the in-order "
+                                     f"batch entry" + (f" for buffer {entry}" if entry is not None else "")
+                       + ": a skipped buffer counts as used with all its bytes written, but the device wrote none "
+                         "of them (still the canary the harness filled it with)")
+                i += 1
+                continue
             if ln < self.hdr:
                 r.fail(len_id, f"rx: used len {ln} for buffer {b.id}: shorter than the {self.hdr}-byte header")
                 i += 1
                 continue
             first = self._rx_bytes(b, min(ln, b.wlen))
+            shift, sseq = self._frame_after_header(first)
             flags, gso, _hl, _gs, _cs, _co, nb = frames.parse_net_hdr(first)
             r.check("NET-33", flags == 0, lambda: f"rx: header flags {flags:#x} without GUEST_CSUM")
             r.check("NET-34", gso == 0, lambda: f"rx: gso_type {gso:#x} without GUEST_TSO4/6, UFO, USO")
             r.check("NET-35", not flags & frames.VIRTIO_NET_HDR_F_RSC_INFO, lambda: f"rx: RSC_INFO set ({flags:#x})")
             if self.mrg:
-                span = self._frame_span(items, i, first[self.hdr:])
+                span = self._frame_span(items, i, sseq, shift)
                 if span:   # the buffers the frame sent fills, whatever num_buffers says
-                    r.check("NET-29", nb == span, lambda: self._num_buffers_evidence(items, i, nb, span, first))
+                    if shift >= 0:   # (a shorter header has no num_buffers: NET-03 below)
+                        r.check("NET-29", nb == span, lambda: self._num_buffers_evidence(items, i, nb, span, sseq,
+                                                                                         shift))
                     nb = span
                 elif not r.check("NET-29", nb >= 1, f"rx: num_buffers {nb} in buffer {b.id}"):
                     nb = 1
             else:
-                r.check("NET-28", nb == 1, lambda: f"rx: num_buffers {nb} (bytes {first[10:12].hex()}) without "
-                        f"MRG_RXBUF (must be 1)" + (" - the canary the harness filled the buffer with: not written"
-                                                    if first[10:12] == self._canary_bytes(b, 12)[10:12] else ""))
+                if shift >= 0:   # a shorter header has no num_buffers where a 12-byte one has it (NET-03 below)
+                    r.check("NET-28", nb == 1, lambda: f"rx: num_buffers {nb} (bytes {first[10:12].hex()}) without "
+                            f"MRG_RXBUF (must be 1)" + (" - the canary the harness filled the buffer with: not "
+                                                        "written" if first[10:12] == self._canary_bytes(b, 12)[10:12]
+                                                        else ""))
                 nb = 1
                 r.ok("NET-27")
             if i + nb > len(items):
@@ -1084,17 +1122,30 @@ class DeviceHarness:
                 for x, xl, _ in bufs[:-1]:
                     r.check("NET-30", xl == x.wlen, lambda: f"rx: buffer {x.id} of a {nb}-buffer packet used "
                             f"{xl} of {x.wlen} bytes (all but the last must be full)")
-            data = first[self.hdr:min(ln, b.wlen)] + b"".join(self._rx_bytes(x, min(xl, x.wlen))
-                                                             for x, xl, _ in bufs[1:])
-            self._frame_back(data, bufs, (len_id,) if rx.packed else (len_id, "SPLIT-V-08"), data_id)
+            packet = first + b"".join(self._rx_bytes(x, min(xl, x.wlen)) for x, xl, _ in bufs[1:])
+            if shift:
+                self._header_size_wrong(packet, bufs, shift, sseq)
+            else:
+                self._frame_back(packet[self.hdr:], bufs, (len_id,) if rx.packed else (len_id, "SPLIT-V-08"),
+                                 data_id)
 
-    def _frame_span(self, items, i, data):
-        """MRG_RXBUF: how many of the used buffers from ``items[i]`` on the frame stamped in ``data`` (the first
-        buffer after the header) spans: header + frame length against the bytes the entries cover. None when
-        the frame is not one of ours, or the visible entries do not hold all of it (not all published, or the
-        device wrote less than the frame: judged by num_buffers and by the frame itself)."""
-        seq = frames.stamp_of(data, self.run_id)
-        need = self.hdr + self.sent_len[seq] if seq in self.sent_len else None
+    def _frame_after_header(self, first):
+        """(shift, seq): where the frame in a packet's first buffer starts, against the negotiated header size:
+        (0, seq) when stamped at its place (seq None: not one of ours); (k, seq) when an intact stamp of this run
+        sits k bytes later (k < 0: earlier), the device having written a header of hdr + k bytes. Headers of 0
+        to 32 bytes (the largest layout) are looked for."""
+        seq = frames.stamp_of(first[self.hdr:], self.run_id)
+        if seq is not None:
+            return 0, seq
+        found = frames.find_stamp(first[self.hdr:], self.run_id, self.hdr, 32 - self.hdr)
+        return found if found is not None and found[1] in self.sent_len else (0, None)
+
+    def _frame_span(self, items, i, seq, shift=0):
+        """MRG_RXBUF: how many of the used buffers from ``items[i]`` on frame ``seq`` (stamped in the first buffer,
+        after a header of hdr + ``shift`` bytes) spans: header + frame length against the bytes the entries
+        cover. None when the frame is not one of ours, or the visible entries do not hold all of it (not all
+        published, or the device wrote less than the frame: judged by num_buffers and by the frame itself)."""
+        need = self.hdr + shift + self.sent_len[seq] if seq in self.sent_len else None
         if need is None:
             return None
         have = 0
@@ -1104,10 +1155,9 @@ class DeviceHarness:
                 return m
         return None
 
-    def _num_buffers_evidence(self, items, i, nb, span, first):
-        seq = frames.stamp_of(first[self.hdr:], self.run_id)
+    def _num_buffers_evidence(self, items, i, nb, span, seq, shift):
         bufs = items[i:i + max(span, min(nb, len(items) - i))]
-        return (f"rx: num_buffers {nb} in buffer {bufs[0][0].id}, but frame {seq} ({self.hdr}-byte header + "
+        return (f"rx: num_buffers {nb} in buffer {bufs[0][0].id}, but frame {seq} ({self.hdr + shift}-byte header + "
                 f"{self.sent_len[seq]} bytes) spans {span} buffer(s): used entries (id used/posted bytes) "
                 + ", ".join(f"{x.id} {xl}/{x.wlen}" for x, xl, _s in bufs)
                 + (f" (the entries after the first {span} belong to the next packet)" if nb > span else ""))
@@ -1121,6 +1171,51 @@ class DeviceHarness:
             return data[frames.STAMP_OFF:end] == canary[frames.STAMP_OFF:end]
         return len(data) >= 4 and data == canary[:len(data)]
 
+    def _claim(self, seq):
+        """Frame ``seq`` came back: (frame, tags, how it was sent), or None when it had already (reported)."""
+        if seq in self.received:
+            self.report.fail("PACKED-V-18" if self.q[RX].packed else "SPLIT-V-13",
+                             f"rx: frame {seq} arrived twice: a Tx buffer was consumed twice")
+            return None
+        sent = self.sent[seq]
+        self.received.add(seq)
+        self.sent[seq] = (None, (), sent[2])   # keep the memory small; the seq stays known
+        return sent
+
+    def _stamp_damaged(self, data, bufs, data_id):
+        """A frame of this run (the same outside its stamp) whose stamp the device changed: the data row fails.
+        The frame counts as back when its sequence number survived (one not back yet, of this length)."""
+        got = data[frames.STAMP_OFF:frames.STAMP_OFF + frames.STAMP.size]
+        seq = frames.STAMP.unpack_from(got)[2]
+        known = seq in self.sent and seq not in self.received and self.sent_len[seq] == len(data)
+        if known:
+            self._claim(seq)
+        else:
+            self.damaged += 1   # ours, though which one is lost: the backend does loop (_wait)
+        self.report.fail(data_id, f"rx: buffers {[b.id for b, _l, _s in bufs]} hold a frame of this run "
+                                  f"({len(data)} bytes, the same outside its stamp) whose stamp was changed to "
+                                  f"{got.hex()}" + (f" (frame {seq} was sent with "
+                                                    f"{frames.stamp(self.run_id, seq).hex()})" if known else "")
+                                  + ": the device damaged the packet bytes")
+
+    def _header_size_wrong(self, packet, bufs, shift, seq):
+        """NET-02 / NET-03: frame ``seq`` starts ``shift`` bytes away from where the negotiated header size puts
+        it: the device wrote a header of another size. The frame counts as back; its data rows are not judged."""
+        size = self.hdr + shift
+        sent = self._claim(seq)
+        if sent is None:
+            return
+        frame = sent[0]
+        got = packet[size:]
+        layout = {10: " (the legacy layout without num_buffers: with VERSION_1 the header is 12 bytes)",
+                  20: " (the HASH_REPORT layout, not negotiated)"}.get(size, "")
+        self.report.fail("NET-03" if size == 10 else "NET-02",
+                         f"rx: frame {seq} came back in buffers {[b.id for b, _l, _s in bufs]} with its stamp at "
+                         f"offset {size + frames.STAMP_OFF} of the packet, not {self.hdr + frames.STAMP_OFF}: the "
+                         f"device wrote a {size}-byte virtio-net header ({packet[:size].hex()}){layout}, the "
+                         f"negotiated features give {self.hdr} bytes; the frame after it: "
+                         + ("intact" if frames.same_frame(got, frame) else frames.first_difference(got, frame)))
+
     def _frame_back(self, data, bufs, len_ids, data_id):
         r = self.report
         seq = frames.stamp_of(data, self.run_id)
@@ -1130,28 +1225,19 @@ class DeviceHarness:
                             f"with: the packet was not written before the used index/flags")
             return
         if seq is None or seq not in self.sent:
-            magic, rid, _ = frames.STAMP.unpack_from(data.ljust(frames.STAMP_OFF + frames.STAMP.size),
-                                                     frames.STAMP_OFF)
-            earlier_run = magic == frames.MAGIC and rid != self.run_id   # kept by the device since then: foreign
-            if not earlier_run and len(data) in set(self.sent_len.values()) and \
-                    frames.same_but_stamp(data, self.run_id):
-                r.fail(data_id, f"rx: buffers {[b.id for b, _l, _s in bufs]} hold a frame of this run ({len(data)} "
-                                f"bytes, the same outside its stamp) whose stamp was changed to "
-                                f"{data[frames.STAMP_OFF:frames.STAMP_OFF + frames.STAMP.size].hex()}: the device "
-                                f"damaged the packet bytes")
+            st = frames.read_stamp(data)
+            if st is None and len(data) in set(self.sent_len.values()) and frames.same_but_stamp(data, self.run_id):
+                self._stamp_damaged(data, bufs, data_id)
                 return
-            self.foreign += 1
+            self.foreign += 1   # (an intact stamp of another run: a frame the device kept since that run)
             if seq is None and len(bufs) == 1 and any(sk for _b, _l, sk in bufs):
                 r.fail("INORDER-10", f"rx: buffer {bufs[0][0].id} was skipped by an in-order batch and holds no "
                                      f"complete frame")
             return
-        if seq in self.received:
-            r.fail("PACKED-V-18" if self.q[RX].packed else "SPLIT-V-13",
-                   f"rx: frame {seq} arrived twice: a Tx buffer was consumed twice")
+        sent = self._claim(seq)
+        if sent is None:
             return
-        frame, tags, how = self.sent[seq]
-        self.received.add(seq)
-        self.sent[seq] = (None, (), how)   # keep the memory small; the seq stays known
+        frame, tags, how = sent
         if any(b.chain.ndesc > 1 for b, _l, _s in bufs) and not self.q[RX].packed:   # 12-byte header descriptor
             tags = set(tags) | {"SPLIT-V-01"}
         skipped = [b.id for b, _l, sk in bufs if sk]
@@ -1163,6 +1249,8 @@ class DeviceHarness:
                 r.ok(t)
             if skipped:
                 r.ok("INORDER-10")
+            r.ok("NET-02")
+            r.ok("NET-03")
             return
         diff = frames.first_difference(data, frame)
         where = f"rx: frame {seq} (sent in {how}) came back in buffers {[b.id for b, _l, _s in bufs]}: {diff}"
@@ -1342,7 +1430,7 @@ class DeviceHarness:
             back = seqs <= self.received
             if tx_done and (back or self.loops is False or now - t_tx_done > self.o.rx_wait):
                 if self.loops is None and seqs:
-                    self.loops = bool(seqs & self.received)
+                    self.loops = bool(seqs & self.received) or self.damaged > 0
                     if not self.loops:
                         self.report.notes.append("the backend did not bring frames back on the Rx queue: Rx "
                                                  "requirements are not exercised (configure it to forward)")
@@ -1595,9 +1683,10 @@ class DeviceHarness:
             if r.status("SPLIT-V-15") == "pass":
                 r.ok("SPLIT-L-01")
                 r.ok("SPLIT-L-02")
-        lost = len(self.sent) - len(self.received) if self.loops else 0
+        lost = max(0, len(self.sent) - len(self.received) - self.damaged) if self.loops else 0
+        damaged = f"{self.damaged} of this run damaged beyond telling which, " if self.damaged else ""
         r.context["traffic"] = (f"{len(self.sent)} frames sent, {len(self.received)} came back, {self.foreign} "
-                                f"foreign, {lost} not back; batch entries covering >1 buffer: tx "
+                                f"foreign, {damaged}{lost} not back; batch entries covering >1 buffer: tx "
                                 f"{self.batched[TX]}, rx {self.batched[RX]}; kicks sent: tx {self.kicks[TX]}, rx "
                                 f"{self.kicks[RX]}")
         if lost:
@@ -1622,7 +1711,8 @@ class DeviceHarness:
             (rid in ("NET-29", "NET-30", "NET-31", "PACKED-V-16") and not mrg, "with MRG_RXBUF only (--mrg-rxbuf)"),
             (rid in ("SPLIT-V-05", "SPLIT-V-07", "PACKED-V-13", "PACKED-V-14", "PACKED-V-15")
              and not has(self.features, VIRTIO_F_INDIRECT_DESC), "INDIRECT_DESC not negotiated"),
-            (rid in ("INORDER-07", "INORDER-08", "INORDER-10"), "the device wrote no batch entry"),
+            (rid in ("INORDER-07", "INORDER-08") and not any(self.batched), "the device wrote no batch entry"),
+            (rid == "INORDER-10" and not self.batched[RX], "the device wrote no Rx batch entry (no buffer skipped)"),
             (rid == "GEN-01" and not self.fe.has_status, "STATUS not negotiated: DRIVER_OK is not visible"),
         ]
         return next((why for cond, why in rules if cond), "")

@@ -67,6 +67,8 @@ CATALOG = {
     "INORDER-15": ("DERIVED", "without IN_ORDER: one used entry per buffer"),
     "INORDER-16": ("DERIVED", "with IN_ORDER, chains of varying length (1, 3, 2, ...) are parsed from the ring"),
     "MEM-07": ("MUST", "packed: id, len and data written before the used flags"),
+    "NET-02": ("MUST", "the Rx virtio-net header has the size the features give (12 bytes without HASH_REPORT)"),
+    "NET-03": ("DESC", "with VERSION_1 the Rx header is 12 bytes, not the legacy 10, even without MRG_RXBUF"),
     "NET-17": ("MUST NOT", "without NEEDS_CSUM, csum_start/csum_offset are not used (frame unchanged)"),
     "NET-18": ("MUST NOT", "hdr_len is not relied on (garbage hdr_len: frame unchanged)"),
     "NET-21": ("DESC", "Tx: header and packet in any number of descriptors; used len 0"),

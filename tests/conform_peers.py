@@ -13,16 +13,21 @@
   num_buffers one too high), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
   used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as
   used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written: the frame never
-  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``call-early`` (the
-  Tx used buffer notification sent 20 ms before the used entries are published, none after), ``call-swap``
-  (each queue's notifications written to the other queue's call eventfd), ``evt-first`` (with EVENT_IDX, a
-  notification only when the first used index a publication writes is used_event, not whenever the
-  publication crosses it; packed: the first used slot is the DESC event slot, wrap ignored), ``gen01`` (the
-  rings started before DRIVER_OK: Tx frames looped into Rx buffers at once, unannounced, the Tx buffers used
-  after DRIVER_OK), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
-  len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when
-  Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx
-  used ring, memory the device was not given: SPLIT-L-02), and on packed rings (one used descriptor per Tx
+  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``stamp-run`` (one
+  bit of the stamp's run id flipped: SPLIT-V-09 / MEM-07), ``hdr20`` / ``hdr10`` (the frame after a 20-byte
+  header, the HASH_REPORT layout, or after the legacy 10-byte one, neither negotiated; num_buffers right:
+  NET-02 / NET-03), ``call-early`` (the Tx used buffer notification sent 20 ms before the used entries are
+  published, none after), ``call-swap`` (each queue's notifications written to the other queue's call
+  eventfd), ``evt-first`` (with EVENT_IDX, a notification only when the first used index a publication writes
+  is used_event, not whenever the publication crosses it; packed: the first used slot is the DESC event slot,
+  wrap ignored), ``gen01`` (the rings started before DRIVER_OK: Tx frames looped into Rx buffers at once,
+  unannounced, the Tx buffers used after DRIVER_OK), ``rx-desc-write`` (each used Rx buffer's descriptor
+  gets the bytes written as its len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are
+  overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8
+  bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02), ``rx-skip``
+  (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
+  of the buffer that holds the frame: INORDER-10), on split rings ``len-late`` (used entries published with the
+  id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
   buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
   ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
@@ -237,15 +242,16 @@ class _LoopQueues:
         self.in_order = has(dev.features, VIRTIO_F_IN_ORDER)
         self.packed = has(dev.features, VIRTIO_F_RING_PACKED)
         self.q, self.views = [], []
-        for v in dev.vrings:
+        for i, v in enumerate(dev.vrings):
             layout = dev._layout(v, v.addr)
-            q = DeviceQueue(dev.cmem, layout, dev.features)
+            q = DeviceQueue(dev.cmem, layout, dev.features, in_order_batch=fault == "rx-skip" and i == RX)
             q.set_base(v.base)
             self.q.append(q)
             self.views.append(view_for(dev.mem, layout))
         self.rx_free = deque()    # (id, writable segments, writable length) in poll order
         self.frames = deque()     # frames waiting for Rx buffers
         self.faults = 0
+        self.nframes = 0
         self.held_tx = []         # gen01: Tx completions held until DRIVER_OK
 
     def _early(self):
@@ -316,17 +322,11 @@ class _LoopQueues:
             self._used_by_hand(tx, ids)
         elif self.fault == "batch-last" and self.in_order and k > 1:
             # one entry for the batch, as a batching device writes it, but at the batch's last used slot
-            # (INORDER-08 puts it at the first); the queue's own state moves as its flush would move it
-            c, v, size = tx.c, self.views[TX], tx.size
-            pos = int(c.used_idx)
-            v.used_raw[(pos + k - 1) % size] = (ids[-1], lens[-1])
-            tx.id_inflight[ids] = 0
-            c.inflight = int(c.inflight) - k
-            c.shadow_count = 0
-            c.call_added = (int(c.call_added) + k) & 0xFFFF
-            c.used_idx = (pos + k) & 0xFFFF
-            v.used_hdr[1] = c.used_idx
+            # (INORDER-08 puts it at the first)
+            self._split_used_by_hand(TX, ids, [(k - 1, ids[-1], lens[-1])])
             self.faults += 1
+        elif self.fault == "len-late" and not self.packed:
+            self._len_late(TX, ids, lens)
         else:
             tx.flush()
             if self.fault == "tx-len":
@@ -370,29 +370,70 @@ class _LoopQueues:
         c.used_idx = (used + adv) % size
         c.used_wrap = wrap ^ int(used + adv >= size)
 
+    def _split_used_by_hand(self, index, ids, entries):
+        """Split: publish the pushed (not flushed) buffers ``ids`` by hand: ``entries`` [(offset from used idx, id, len or
+        None: left as it is)] written, used idx moved by all of ``ids``; the queue's own state moves as its flush
+        would move it. Returns the used idx before."""
+        q, v = self.q[index], self.views[index]
+        c, size, k = q.c, q.size, len(ids)
+        pos = int(c.used_idx)
+        for off, i, ln in entries:
+            v.used_raw[(pos + off) % size, 0] = i
+            if ln is not None:
+                v.used_raw[(pos + off) % size, 1] = ln
+        q.id_inflight[ids] = 0
+        c.inflight = int(c.inflight) - k
+        c.shadow_count = 0
+        c.call_added = (int(c.call_added) + k) & 0xFFFF
+        c.used_idx = (pos + k) & 0xFFFF
+        v.used_hdr[1] = c.used_idx
+        return pos
+
+    def _len_late(self, index, ids, lens):
+        """len-late (split): one used entry per buffer with its id only, used idx moved; the lens 20 ms later
+        (until then the slots keep what the harness wrote there: its canary)."""
+        pos = self._split_used_by_hand(index, ids, [(j, i, None) for j, i in enumerate(ids)])
+        time.sleep(0.02)
+        for j, ln in enumerate(lens):
+            self.views[index].used_raw[(pos + j) % self.q[index].size, 1] = ln
+        self.faults += 1
+
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
-        need = self.hdr + len(frame)
+        hsize = {"hdr20": 20, "hdr10": 10}.get(self.fault, self.hdr)   # hdr20/hdr10: a header of another size
+        need = hsize + len(frame)
+        skip = 1 if self.fault == "rx-skip" and self.in_order and self.nframes % 3 == 2 else 0
         take, room = 0, 0
-        while room < need and take < len(self.rx_free) and (self.mrg or take == 0):
-            room += self.rx_free[take][2]
+        while room < need and skip + take < len(self.rx_free) and (self.mrg or take == 0):
+            room += self.rx_free[skip + take][2]
             take += 1
         if room < need:
-            if not self.mrg and self.rx_free:   # too big for one buffer: dropped, as a device may
+            if not self.mrg and len(self.rx_free) > skip:   # too big for one buffer: dropped, as a device may
                 return True
             return False
+        self.nframes += 1
+        ids, lens, off = [], [], 0
+        if skip:   # used as if written completely, never written: the batch entry names the next buffer
+            bid, _segs, wlen = self.rx_free.popleft()
+            ids.append(bid)
+            lens.append(wlen)
+            self.faults += 1
         bufs = [self.rx_free.popleft() for _ in range(take)]
         nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
         self.faults += nb != take
-        data = frames.net_hdr(num_buffers=nb)[:self.hdr] + frame
+        hdr = (frames.net_hdr(num_buffers=nb) + bytes(8))[:hsize]   # (num_buffers right, where there is one)
+        self.faults += hsize != self.hdr
         if self.fault == "stamp" and len(frame) > frames.STAMP_OFF:   # one byte of the harness's stamp changed
             frame = frame[:frames.STAMP_OFF] + bytes([frame[frames.STAMP_OFF] ^ 0xFF]) + frame[frames.STAMP_OFF + 1:]
-            data = data[:self.hdr] + frame
             self.faults += 1
+        if self.fault == "stamp-run" and len(frame) > frames.STAMP_OFF + 4:   # one bit of the stamp's run id
+            j = frames.STAMP_OFF + 4
+            frame = frame[:j] + bytes([frame[j] ^ 0x01]) + frame[j + 1:]
+            self.faults += 1
+        data = hdr + frame
         if self.fault == "hdr-only":   # used len covers header + frame, but only the header is ever written
             data = data[:self.hdr]
             self.faults += 1
-        ids, lens, off = [], [], 0
         for bid, segs, wlen in bufs:
             used = min(wlen, need - off)
             ids.append(bid)
@@ -415,7 +456,10 @@ class _LoopQueues:
                 self.views[RX].avail[2 + (int(rx.c.last_avail) - 1 - k) % rx.size] = 0xFFFF
             self.faults += 1
         rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
-        rx.flush()
+        if self.fault == "len-late" and not self.packed:
+            self._len_late(RX, ids, lens)
+        else:
+            rx.flush()
         self._call(RX)
         return True
 

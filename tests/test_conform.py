@@ -23,6 +23,7 @@ import sys
 
 import pytest
 
+from conform import frames
 from tests.conform_peers import FaultyDevice, FaultyDriver, LoopDevice
 from tests.procs import collect
 from vhost.datapath import Options
@@ -373,6 +374,69 @@ def test_conform_device_packed_v_10_catches_id_from_head_descriptor(tmp_path):
     assert set(f) == {"PACKED-V-10", "PACKED-V-11"}, f
     assert "is a garbage id the harness wrote in a non-last descriptor" in f["PACKED-V-10"][0], f
     assert "used id not in flight" in rep["error"], rep["error"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_device_split_v_09_mem_07_catch_rx_frame_with_changed_run_id(tmp_path, packed):
+    """Every frame delivered with one bit of its stamp's run id flipped, the rest intact: the data row (SPLIT-V-09,
+    packed MEM-07) fails with the stamp as changed and as sent (the stamp's check value tells it from an intact
+    stamp of an earlier run, which stays foreign), and the frames count as back. Before, they counted as an
+    earlier run's, the harness concluded that the backend does not bring frames back (Rx rows not exercised) and
+    the run passed."""
+    other_run = frames.make_frame(100, 7, 1)
+    flipped = bytearray(other_run)
+    flipped[frames.STAMP_OFF + 4] ^= 1
+    assert frames.stamp_of(other_run, 6) is None and frames.read_stamp(other_run) == (7, 1)   # foreign
+    assert frames.read_stamp(bytes(flipped)) is None   # damaged
+    rep, f = run_loop_device(tmp_path, "stamp-run", "--in-order", "--mrg-rxbuf", "--scenarios", "batches",
+                             packed=packed)
+    rid = "MEM-07" if packed else "SPLIT-V-09"
+    assert set(f) == {rid}, f
+    assert "whose stamp was changed to" in f[rid][0] and "was sent with" in f[rid][0], f
+    assert " 0 foreign" in rep["context"]["traffic"] and "0 not back" in rep["context"]["traffic"], rep["context"]
+    assert not any("did not bring frames back" in n for n in rep["notes"]), rep["notes"]
+
+
+@pytest.mark.parametrize("fault,rid,size", [("hdr20", "NET-02", 20), ("hdr10", "NET-03", 10)])
+@pytest.mark.parametrize("packed,mrg", [(False, False), (False, True), (True, True)],
+                         ids=["split", "split-mrg", "packed-mrg"])
+def test_conform_device_net_02_net_03_catch_rx_header_of_another_size(tmp_path, fault, rid, size, packed, mrg):
+    """Frames delivered after a 20-byte header (the HASH_REPORT layout) or the legacy 10-byte one, neither what
+    the negotiated features give (12): the row of that header size fails with the offset the frame's stamp was
+    found at, nothing else (num_buffers is not read from a header that has none). Before, the frames counted as
+    foreign, the Rx rows as not exercised, and the run passed."""
+    rep, f = run_loop_device(tmp_path, fault, "--in-order", "--scenarios", "batches,mergeable",
+                             *(["--mrg-rxbuf"] * mrg), packed=packed)
+    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
+    assert set(f) == {rid}, f
+    assert f"the device wrote a {size}-byte virtio-net header" in f[rid][0] and "the frame after it: intact" in \
+        f[rid][0], f
+    assert " 0 foreign" in rep["context"]["traffic"], rep["context"]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+@pytest.mark.parametrize("mrg", [False, True], ids=["one-buffer", "mrg"])
+def test_conform_device_inorder_10_catches_skipped_rx_buffer_never_written(tmp_path, packed, mrg):
+    """IN_ORDER Rx batches that skip a buffer the device never wrote (the batch entry names the next one, which
+    holds the frame): INORDER-10 fails naming the skipped buffer and the entry; the canary in it is not parsed as
+    a packet (no header, num_buffers or data rows fail), and no note says the device wrote no batch entry."""
+    rep, f = run_loop_device(tmp_path, "rx-skip", "--in-order", "--scenarios", "batches", *(["--mrg-rxbuf"] * mrg),
+                             packed=packed)
+    assert rep["error"] is None and "0 not back" in rep["context"]["traffic"], (rep["error"], rep["context"])
+    assert set(f) == {"INORDER-10"}, f
+    assert "was skipped by the in-order batch entry for buffer" in f["INORDER-10"][0], f
+    assert "the device wrote none of them" in f["INORDER-10"][0], f
+
+
+def test_conform_device_split_v_08_catches_used_len_set_after_used_idx(tmp_path):
+    """Used entries published with their ids, used idx moved, the lens written 20 ms later: SPLIT-V-08 fails on
+    both queues naming the slot, the canary the len still held and the len it became; the buffers are judged by
+    that len (before, SPLIT-V-11 and NET-21 failed on the harness's own canary as if it were the device's len)."""
+    rep, f = conform_loop_device(tmp_path, "len-late", "--scenarios", "batches", "--rx-wait", "2")   # 20 ms a frame
+    assert set(f) == {"SPLIT-V-08"}, f
+    ev = f["SPLIT-V-08"]
+    assert any(e.startswith("tx:") for e in ev) and any(e.startswith("rx:") for e in ev), ev
+    assert "with len 0xc0decafe, the canary the harness wrote there" in ev[0] and "it became" in ev[0], ev
 
 
 def test_conform_driver_split_d_13_catches_reoffered_head(tmp_path):
