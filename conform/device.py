@@ -60,6 +60,7 @@ INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay d
 RX_BUF = 1536              # one Rx buffer: header + the largest frame
 USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
 LATE_LEN_WAIT = 0.25       # seconds to wait for a used len that was not set before used idx (SPLIT-V-08)
+CALL_WAIT = 0.25           # seconds to wait after a round for a notification still due (a busy machine delays it)
 
 #: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
 ENCODINGS = {"SPLIT-V-01", "SPLIT-V-05", "SPLIT-V-07", "PACKED-V-08", "PACKED-V-10", "PACKED-V-13", "PACKED-V-14",
@@ -1319,7 +1320,7 @@ class DeviceHarness:
             # last one too, so the last call must come after it, not only before
             every = not self.event_idx
             if not late and (not q.round_calls or every and q.call_seen_at < q.round_used):
-                deadline = time.monotonic() + 0.05
+                deadline = time.monotonic() + CALL_WAIT
                 while not late and time.monotonic() < deadline:
                     time.sleep(0.001)
                     late = q.calls()
