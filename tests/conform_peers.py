@@ -311,7 +311,8 @@ class _LoopQueues:
         tx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
         if self.fault == "call-early":   # the call for these buffers, then (a while later) their used entries
             fd = self.dev.vrings[TX].callfd
-            if fd >= 0 and not self.views[TX].avail[0] & 1:   # flags 0: notifications asked for
+            v = self.views[TX]   # notifications asked for: split flags 0, packed not DISABLE (1)
+            if fd >= 0 and not (int(v.driver_event[1]) == 1 if self.packed else v.avail[0] & 1):
                 os.eventfd_write(fd, 1)
             time.sleep(0.02)
             tx.flush()

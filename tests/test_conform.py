@@ -247,13 +247,15 @@ def test_conform_device_split_v_09_catches_rx_frame_with_damaged_stamp(tmp_path)
     assert " 0 foreign" in rep["context"]["traffic"], rep["context"]
 
 
-def test_conform_device_evt_05_catches_notification_before_the_used_index(tmp_path):
-    """Flags 0: the device sent the Tx notification, then 20 ms later published the used entries, and nothing
-    after. A driver woken by that call finds nothing new and sleeps. EVT-05 fails with where the last call was
-    read; before, any call in the round counted and the run passed (exit 0)."""
-    rep, f = conform_loop_device(tmp_path, "call-early", "--scenarios", "batches")
-    assert set(f) == {"EVT-05"}, f
-    assert "came before the used index it announces" in f["EVT-05"][0], f
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_device_evt_05_evt_24_catch_notification_before_the_used_index(tmp_path, packed):
+    """Flags 0 / ENABLE: the device sent the Tx notification, then 20 ms later published the used entries, and
+    nothing after. A driver woken by that call finds nothing new and sleeps. EVT-05 (packed: EVT-24) fails with
+    where the last call was read; before, any call in the round counted and the run passed (exit 0)."""
+    rep, f = run_loop_device(tmp_path, "call-early", "--in-order", "--scenarios", "batches", packed=packed)
+    rid = "EVT-24" if packed else "EVT-05"
+    assert set(f) == {rid}, f
+    assert "came before the used " + ("descriptors" if packed else "index") + " it announces" in f[rid][0], f
 
 
 def test_conform_device_evt_05_catches_notifications_on_the_other_queues_eventfd(tmp_path):
