@@ -60,6 +60,7 @@ INDIRECT_MAX = 4           # Tx: 2..4 segments go indirect, longer chains stay d
 RX_BUF = 1536              # one Rx buffer: header + the largest frame
 USED_CANARY = (0xFFFFFFFF, 0xC0DECAFE)   # split used elements the harness consumed (INORDER-08)
 LATE_LEN_WAIT = 0.25       # seconds to wait for a used len that was not set before used idx (SPLIT-V-08)
+EVENT_AHEAD = (0, 0, 1, 2, 3, 5, 8, 13, 40)   # where EVENT_IDX rounds put the event, past the next used index
 CALL_WAIT = 0.25           # seconds to wait after a round for a notification still due (a busy machine delays it)
 
 #: rows a frame is tagged with when it was sent with one of the harness's unusual (legal) encodings
@@ -1275,11 +1276,14 @@ class DeviceHarness:
         """Ask for used buffer notifications ("on") or suppress them ("off"), by the spec's means."""
         v = q.view
         q.verify_owned()   # before the harness writes over part of the driver area
+        # EVENT_IDX "on": the event at the next used index / slot, or (EVT-07/EVT-23's other cases; not in EVT-06's
+        # rounds, whose only question is the flags bit) inside or past what the round will use, judged at the end
+        # over what it did use (a packed event slot stays within one lap)
         ahead = 0
+        if self.event_idx and mode == "on" and not low_bit:
+            ahead = self.event_rng.choice([j for j in EVENT_AHEAD if not q.packed or j < q.size])
         if q.packed:   # off_wrap, flags
-            if mode == "on" and self.event_idx:   # DESC: the event slot at, inside or past what the round uses
-                ahead = 0 if low_bit else self.event_rng.choice([j for j in (0, 0, 1, 2, 3, 5, 8, 13, 40)
-                                                                 if j < q.size])
+            if mode == "on" and self.event_idx:   # DESC
                 pos = q.used_pos + ahead
                 q.write_driver_area({0: pos % q.size | (q.used_wrap ^ (pos >= q.size)) << 15,
                                      1: RING_EVENT_FLAGS_DESC})
@@ -1288,13 +1292,8 @@ class DeviceHarness:
         else:          # flags, used_event
             n = q.size
             if self.event_idx:   # EVT-06: the device must ignore bit 0 of flags (set on purpose in some rounds)
-                # "on": used_event at the next index, or (EVT-07's other cases; not with EVT-06's bit, which stays
-                # the only question of its rounds) inside or past what the round will use: judged at the end by
-                # vring_need_event over what it did use
-                ahead = (0 if low_bit else self.event_rng.choice((0, 0, 1, 2, 3, 5, 8, 13, 40))) if mode == "on" \
-                    else -1
                 q.write_driver_area({0: VIRTQ_AVAIL_F_NO_INTERRUPT if low_bit else 0,
-                                     2 + n: (q.used_ctr + ahead) & 0xFFFF})
+                                     2 + n: (q.used_ctr + (ahead if mode == "on" else -1)) & 0xFFFF})
             else:                 # EVT-04: used_event holds garbage the device must ignore
                 q.write_driver_area({0: 0 if mode == "on" else VIRTQ_AVAIL_F_NO_INTERRUPT,
                                      2 + n: self.rng.randrange(1 << 16)})

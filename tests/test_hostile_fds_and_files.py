@@ -292,12 +292,7 @@ def _assert_dropped_once_then_serves(be, sock, packed, words, ring_errors=1):
         fe.post_rx(64)
         sent = [frame(i) for i in range(8)]
         fe.send(sent)
-        got = []
-        for _ in range(500):
-            got += fe.receive()
-            if len(got) == len(sent):
-                break
-            time.sleep(0.01)
+        got = fe.receive_until(len(sent))
     final = be.stop()
     log = be.stderr()
     assert be.proc.returncode == 0, log[-2000:]
@@ -557,12 +552,7 @@ def test_blocking_call_eventfd_at_its_limit_does_not_hang_the_server(tmp_path, q
             fe.post_rx(64)
             sent = [frame(i) for i in range(8)]
             fe.send(sent)
-            got = []
-            for _ in range(300):
-                got += fe.receive()
-                if len(got) == len(sent):
-                    break
-                time.sleep(0.01)
+            got = fe.receive_until(len(sent), timeout=3.0)
             assert len(got) == len(sent)
             # the server still answers (it hung in write() before)
             assert vu.client_call(fe.conn, R.GET_FEATURES, b"", (), timeout=3.0) is not None

@@ -30,11 +30,7 @@ def roundtrip(fe, n, layout="one", size=60):
     frames = [frame(i, size) for i in range(n)]
     fe.post_rx(n)
     assert fe.send(frames, layout) == n
-    got = []
-    deadline = time.monotonic() + 5
-    while len(got) < n and time.monotonic() < deadline:
-        got += fe.receive()
-        time.sleep(0.001)
+    got = fe.receive_until(n)
     deadline = time.monotonic() + 5
     tx_done = 0
     while tx_done < n and time.monotonic() < deadline:
@@ -90,10 +86,7 @@ def test_mergeable_spreads_over_buffers(server, sock_path):
         fe.post_rx(12, size=256)
         f = frame(7, 1514)
         fe.send([f])
-        got = []
-        deadline = time.monotonic() + 5
-        while len(got) < 6 and time.monotonic() < deadline:
-            got += fe.receive()
+        got = fe.receive_until(6)
         assert [n for _d, n in got] == [256] * 5 + [1526 - 5 * 256]
         assert struct.unpack_from("<H", got[0][0], 10)[0] == 6
         assert b"".join(d for d, _n in got)[HDR:] == macswapped(f)

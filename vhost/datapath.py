@@ -135,26 +135,26 @@ class GuardedMemoryTable(MemoryTable):
         self.fault: GuestMemoryFault | None = None
         super().__init__(regions)
 
-    def _fault(self, gpa, length):
-        e = _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
-        if self.fault is None:
-            self.fault = e
-        return e
+    def _copy(self, gpa, outside, length, into_guest):
+        """One guarded memcpy between guest range ``gpa`` and ``outside``; GuestMemoryFault (also kept as
+        ``fault``) if the region's pages are gone."""
+        r, off = self.lookup(gpa, length)
+        guest = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=into_guest)) + off
+        ours = ffi.from_buffer(outside)
+        if lib.vh_copy_guarded(*((guest, ours) if into_guest else (ours, guest)), length) != 0:
+            e = _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
+            if self.fault is None:
+                self.fault = e
+            raise e
 
     def read(self, gpa, length):
-        r, off = self.lookup(gpa, length)
         out = bytearray(length)
-        src = ffi.cast("uint8_t *", ffi.from_buffer(r.buf)) + off
-        if lib.vh_copy_guarded(ffi.from_buffer(out), src, length) != 0:
-            raise self._fault(gpa, length)
+        self._copy(gpa, out, length, into_guest=False)
         return bytes(out)
 
     def write(self, gpa, data):
         data = bytes(data)
-        r, off = self.lookup(gpa, len(data))
-        dst = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=True)) + off
-        if lib.vh_copy_guarded(dst, ffi.from_buffer(data), len(data)) != 0:
-            raise self._fault(gpa, len(data))
+        self._copy(gpa, data, len(data), into_guest=True)
 
     def view(self, gpa, length):
         raise UsageError(f"{self.whose[0]} is read and written with GuardedMemoryTable.read / write (guarded "

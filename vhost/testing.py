@@ -236,6 +236,14 @@ class ScriptedFrontend:
             self.pkt_free.append(int(t))
         return out
 
+    def receive_until(self, n, timeout=5.0):
+        """``receive()`` until ``n`` buffers came back or ``timeout`` seconds passed: what came."""
+        got, deadline = [], time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            got += self.receive()
+            time.sleep(0.001)
+        return got
+
     def close(self):
         if self.conn is not None:
             self.conn.close()
