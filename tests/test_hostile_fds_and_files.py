@@ -506,6 +506,12 @@ def test_guarded_memory_table_reads_a_truncated_region_as_an_error():
         assert t.read(0x1100, 4) == b"ring"
         t.write(0x1104, b"more")
         assert m[0x200:0x208] == b"ringmore"
+        from rings.errors import AddressOutOfBounds
+        try:   # the range is checked before anything is allocated for it
+            t.read(0x1100, 1 << 62)
+            raise SystemExit("read past the table")
+        except AddressOutOfBounds:
+            pass
         try:
             t.view(0x1100, 4)
             raise SystemExit("a view of the frontend's memory was handed out")

@@ -135,26 +135,28 @@ class GuardedMemoryTable(MemoryTable):
         self.fault: GuestMemoryFault | None = None
         super().__init__(regions)
 
-    def _copy(self, gpa, outside, length, into_guest):
-        """One guarded memcpy between guest range ``gpa`` and ``outside``; GuestMemoryFault (also kept as
+    def _copy(self, gpa, length, data=None):
+        """One guarded memcpy: ``data`` into guest range [gpa, gpa+length), or (``data`` None) that range out into
+        a new bytearray, allocated once the range is known to be in the table. GuestMemoryFault (also kept as
         ``fault``) if the region's pages are gone."""
         r, off = self.lookup(gpa, length)
+        into_guest = data is not None
         guest = ffi.cast("uint8_t *", ffi.from_buffer(r.buf, require_writable=into_guest)) + off
-        ours = ffi.from_buffer(outside)
-        if lib.vh_copy_guarded(*((guest, ours) if into_guest else (ours, guest)), length) != 0:
+        ours = data if into_guest else bytearray(length)
+        src, dst = (ffi.from_buffer(ours), guest) if into_guest else (guest, ffi.from_buffer(ours))
+        if lib.vh_copy_guarded(dst, src, length) != 0:
             e = _memory_fault(f"guest range {gpa:#x}+{length:#x}", self.whose)
             if self.fault is None:
                 self.fault = e
             raise e
+        return ours
 
     def read(self, gpa, length):
-        out = bytearray(length)
-        self._copy(gpa, out, length, into_guest=False)
-        return bytes(out)
+        return bytes(self._copy(gpa, length))
 
     def write(self, gpa, data):
         data = bytes(data)
-        self._copy(gpa, data, len(data), into_guest=True)
+        self._copy(gpa, len(data), data)
 
     def view(self, gpa, length):
         raise UsageError(f"{self.whose[0]} is read and written with GuardedMemoryTable.read / write (guarded "
