@@ -42,7 +42,7 @@ from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VI
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY,
                           bit, feature_names, has)
-from rings.shm import MemoryTable
+from rings.shm import WatchedMemoryTable
 from rings.virtq import DeviceQueue
 from vhost.device import STATUS_DRIVER_OK, NetDevice, Refused
 
@@ -142,12 +142,28 @@ class Delivery:
     note: str = ""                            # how its buffers were completed (for evidence)
 
 
+class DriverMemory(WatchedMemoryTable):
+    """The driver's memory. The oracle reads the rings through numpy views (conform.ringview) and polls them with
+    the C ring code, so a driver that truncates a region it did not let us seal does not kill the harness: the
+    pages read as zeros, and the harness ends the run on it (DriverHarness.memory_intact) instead of judging
+    them."""
+
+    def __init__(self, harness):
+        self.harness = harness
+        super().__init__(whose="the driver under test")
+
+    def release(self):   # a table replaced or closed: its fault must not go unreported with it
+        fault = self.vanished()
+        if fault is not None and self.harness.memory_fault is None:
+            self.harness.memory_fault = fault
+        super().release()
+
+
 class ConformDevice(NetDevice):
     """vhost's device model with the data path replaced: the harness starts and stops its session."""
 
-    # the oracle reads the rings through numpy views (conform.ringview): a driver that truncates its memory under
-    # the harness kills it with SIGBUS (`vring vhost` guards every access instead)
-    memory_table = MemoryTable
+    def memory_table(self):
+        return DriverMemory(self.harness)
 
     def __init__(self, harness, features, protocol_features):
         super().__init__(features=features, protocol_features=protocol_features)
@@ -519,6 +535,23 @@ class DriverHarness:
         self.population = opts.population
         self.offered = OFFERED | (bit(VIRTIO_F_EVENT_IDX) if opts.event_idx else 0) | (
             bit(VIRTIO_F_INDIRECT_DESC) if opts.indirect else 0)
+        self.memory_fault = None                   # the driver took memory away under us (GuestMemoryFault)
+        self.report.evidence_valid = self.memory_intact
+
+    def memory_intact(self):
+        """False once the driver has truncated memory under the harness: what was read since is zeros, not
+        evidence (the report drops fails found from then on; the run ends with the fault as its error)."""
+        if self.memory_fault is None and self.dev is not None and self.dev.mem is not None:
+            self.memory_fault = self.dev.mem.vanished()
+        return self.memory_fault is None
+
+    def _end_if_memory_vanished(self):
+        if not self.memory_intact():
+            raise SessionEnded(self._why_ended(None))
+
+    def _why_ended(self, e):
+        """Why a data path ended: the driver's truncation first (a ring error read from zeros is its echo)."""
+        return str(e) if self.memory_intact() else f"{type(self.memory_fault).__name__}: {self.memory_fault}"
 
     # -- sessions ---------------------------------------------------------------------------------------------
 
@@ -1089,10 +1122,12 @@ class DriverHarness:
                 if s is not None:
                     try:
                         self._step(s, now)
+                        self._end_if_memory_vanished()
                     except SessionEnded as e:
-                        self.stop_session(str(e))
+                        why = self._why_ended(e)
+                        self.stop_session(why)
                         self.session_broken = True
-                        r.error = str(e)
+                        r.error = why
                         break
                 elif self.t_first is not None and self.session_broken:
                     break
@@ -1128,14 +1163,17 @@ class DriverHarness:
                     s.rx_free.append(hd)
                 self._complete_tx(s, now)
                 self._flush_rx(s, now, force=True)
+                self._end_if_memory_vanished()
             except SessionEnded as e:
-                self.stop_session(str(e))
+                self.stop_session(self._why_ended(e))
                 return
             time.sleep(0.0005)
 
     def _finish(self):
         r = self.report
         s = self.session
+        if not self.memory_intact() and not (r.error or "").startswith("GuestMemoryFault"):
+            r.error = f"GuestMemoryFault: {self.memory_fault}"   # found as the driver left or replaced its memory
         if s is not None:
             self._check_lost(s, time.monotonic(), final=True)   # what is still out after the drain is lost
             self.stop_session("end of the run")

@@ -183,6 +183,8 @@ class Report:
         self.scenarios: list[dict] = []
         self.notes: list[str] = []
         self.error: str | None = None   # a connection/protocol error that ended the run early
+        # asked before a fail or warn is recorded: False drops it (evidence read from memory the peer took away)
+        self.evidence_valid = lambda: True
 
     def _get(self, id_):
         try:
@@ -196,6 +198,8 @@ class Report:
 
     def fail(self, id_, evidence):
         r = self._get(id_)
+        if not self.evidence_valid():
+            return
         r.nfail += 1
         if len(r.fails) < MAX_EVIDENCE and str(evidence) not in r.fails:
             r.fails.append(str(evidence))
@@ -203,6 +207,8 @@ class Report:
     def warn(self, id_, evidence):
         """A SHOULD-level deviation: shown with its evidence, not a failure."""
         r = self._get(id_)
+        if not self.evidence_valid():
+            return
         r.nwarn += 1
         if len(r.warns) < MAX_EVIDENCE and str(evidence) not in r.warns:
             r.warns.append(str(evidence))

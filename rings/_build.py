@@ -30,7 +30,7 @@ def package_ffi(module, csrc, header, types_header, functions, opt="-O2", extra_
                    extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
                    extra_link_args=list(extra_link_args),
                    depends=sorted(glob.glob(os.path.join(csrc, "*.h")))   # every header it may include
-                   + [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")])
+                   + [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "guest_fault.h")])
     return ffi
 
 
@@ -50,6 +50,10 @@ void vq_dev_flush(struct vq_device *q);
 int vq_dev_call_prepare(struct vq_device *q);
 void vq_dev_enable_kicks(struct vq_device *q, int on);
 uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len);
+int gf_watch_add(uintptr_t lo, size_t len, size_t align);
+void gf_watch_remove(int slot);
+unsigned long gf_watch_faults(int slot, uintptr_t *first);
+unsigned long gf_watch_total(void);
 """
 
 
@@ -59,11 +63,11 @@ def rings_ffi(opt="-O2", extra_compile_args=(), extra_link_args=()):
     ffi.cdef(CDEF)
     ffi.set_source(
         "rings._virtq",
-        '#include "virtq.h"',
+        '#include "virtq.h"\n#include "guest_fault.h"',
         include_dirs=[CSRC],
         extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
         extra_link_args=list(extra_link_args),
-        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h")],
+        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "guest_fault.h")],
     )
     return ffi
 

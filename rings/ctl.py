@@ -162,6 +162,9 @@ class ControlServer:
                 except KeyError:
                     return {"ok": False, "error": f"no queue named {name!r} (have: {', '.join(self.names())})"}
                 raw = rawdump.capture(q, meta={"name": name, "pid": os.getpid()})
+                fault = q.memory_fault() if hasattr(q, "memory_fault") else None
+                if fault is not None:   # a view over memory its owner truncated: the dump read zeros
+                    return {"ok": False, "error": f"{type(fault).__name__}: {fault}"}
                 if cmd == "snapshot":
                     return {"ok": True, "name": name, "time": raw.time, "snapshot": raw.snapshot()}
                 if req.get("path"):

@@ -5,7 +5,9 @@ descriptor (the descriptor is what travels over the vhost-user socket). The crea
 closes, at interpreter exit, or when the object is collected, so no segment is left behind.
 
 Memory handed to a peer is a size-sealed memfd (``create_sealed``): a peer that shrinks the file under our
-mapping would kill us with SIGBUS. A receiver seals what the peer lets it seal (``seal_shrink``).
+mapping would kill us with SIGBUS. A receiver seals what the peer lets it seal (``seal_shrink``); what it could
+not seal it reads through guarded copies (vhost.datapath.GuardedMemoryTable) or, where views are needed, through a
+``WatchedMemoryTable``.
 """
 import atexit
 import errno
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from .errors import AddressOutOfBounds, MemoryTableError, ShmError
+from .errors import AddressOutOfBounds, GuestMemoryFault, MemoryTableError, ShmError
 
 MAX_REGIONS = 8  # what DPDK 22.11 accepts in one SET_MEM_TABLE
 
@@ -240,3 +242,62 @@ class MemoryTable:
 
     def write(self, gpa, data):
         self.view(gpa, len(data))[:] = data
+
+    def release(self):
+        """Called before the regions' mappings go (nothing to do here; see WatchedMemoryTable)."""
+
+    def vanished(self):
+        """None: this table does not watch its mappings (see WatchedMemoryTable)."""
+        return None
+
+
+class WatchedMemoryTable(MemoryTable):
+    """Someone else's memory read through views, where a guarded copy does not fit (the conformance harness reads
+    the rings through numpy views and polls them with the C ring code; the tap's captures). A region whose owner
+    truncates its file (POSIX shm cannot be sealed) does not kill us with SIGBUS: the pages that vanished read as
+    zeros from then on (guest_fault.h's zero-fill watch maps anonymous pages over them). Whoever reads through the
+    views asks ``vanished()`` before believing what it read. ``whose``: the memory's owner, for the error.
+    Hugetlbfs regions are replaced 2 MiB or 1 GiB at a time (the handler tries the page sizes in turn)."""
+
+    def __init__(self, regions=(), whose="the peer"):
+        self.whose = whose
+        self._watches = []     # (slot, gpa, offset of gpa in the mapping, mapping address)
+        self._release = weakref.finalize(self, WatchedMemoryTable._unwatch, self._watches)
+        super().__init__(regions)
+
+    def add(self, gpa, size, buf, offset=0):
+        from ._virtq import ffi, lib
+        super().add(gpa, size, buf, offset)
+        base = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
+        slot = lib.gf_watch_add(base, memoryview(buf).nbytes, mmap.PAGESIZE)
+        if slot < 0:
+            self.regions.pop()
+            raise MemoryTableError(f"region gpa={gpa:#x}: cannot watch its mapping at {base:#x} (at most 64 "
+                                   f"watched mappings per process, and the mapping must be page aligned)")
+        self._watches.append((slot, gpa, offset, base))
+        return self
+
+    def vanished(self):
+        """GuestMemoryFault naming the first region that lost pages under us (they read as zeros), or None."""
+        from ._virtq import ffi, lib
+        if not self._watches or not lib.gf_watch_total():   # the common case in one C call
+            return None
+        first = ffi.new("uintptr_t *")
+        for slot, gpa, offset, base in self._watches:
+            n = lib.gf_watch_faults(slot, first)
+            if n:
+                at = gpa + int(first[0]) - base - offset
+                return GuestMemoryFault(f"{self.whose} shrank the memory it shared: region gpa {gpa:#x} lost "
+                                        f"{n} page(s) under our mapping (the first at gpa {at:#x}; SIGBUS caught, "
+                                        f"they read as zeros since)", a=gpa, b=at)
+        return None
+
+    def release(self):
+        self._release()
+
+    @staticmethod
+    def _unwatch(watches):
+        from ._virtq import lib
+        for slot, *_ in watches:
+            lib.gf_watch_remove(slot)
+        watches.clear()

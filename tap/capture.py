@@ -28,16 +28,19 @@ A peer that reuses a buffer faster than the tap reads it can change the bytes un
 are what the memory held when the tap saw the used entry. A ring that goes round twice between two looks
 can also look unchanged (the packed wrap counter is one bit).
 """
+import logging
 import struct
 import threading
 import time
 from collections import defaultdict, deque
 
-from rings.errors import VringError
+from rings.errors import GuestMemoryFault, VringError
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_AVAIL, VIRTQ_DESC_F_INDIRECT,
                           VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_USED, VIRTQ_DESC_F_WRITE, area_sizes, has,
                           virtio_net_hdr_size)
 from rings.snapshot import infer_published_packed
+
+log = logging.getLogger("tap")
 
 _DESC = struct.Struct("<QIHH")
 _U16 = struct.Struct("<H")
@@ -155,6 +158,9 @@ class _Ring:
             self.aligned = False
 
     def _write(self, frame, when, out):
+        fault = self.buf_mem.vanished()
+        if fault is not None:   # the frontend truncated its memory: this frame may be zeros, not what it sent
+            raise fault
         if len(frame) < 14:
             self.stats["unreadable"] += 1
             return
@@ -420,6 +426,7 @@ class Capture:
     def __init__(self, picture, writer, idle_s=0.0002):
         self.picture, self.writer, self.idle_s = picture, writer, idle_s
         self.observers = {}   # (conn, vring) -> observer
+        self.vanished = set()   # (conn, vring) whose memory the frontend truncated: not captured again
         self.totals = defaultdict(int)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="vring-tap capture", daemon=True)
@@ -441,13 +448,23 @@ class Capture:
         for key in list(self.observers):
             if key not in started:
                 self._retire(key)
-        for key in started - set(self.observers):
+        for key in started - set(self.observers) - self.vanished:
             try:
                 layout, ring_mem, buf_mem, features = p.ring(key[1])
                 cls = PackedObserver if layout.packed else SplitObserver
                 self.observers[key] = cls(layout, ring_mem, buf_mem, features, key[1] % 2 == 0)
             except VringError:
                 continue
+
+    def _memory_vanished(self, key, fault):
+        """The frontend truncated the memory of this vring: stop capturing it, and say so in its dumps."""
+        self._retire(key)
+        self.vanished.add(key)
+        with self.picture.lock:
+            note = f"capture of vring {key[1]} stopped: {type(fault).__name__}: {fault}"
+            if note not in self.picture.notes:
+                self.picture.notes.append(note)
+        log.error("%s", note)
 
     def _retire(self, key):
         obs = self.observers.pop(key)
@@ -468,12 +485,19 @@ class Capture:
                 gen = self.picture.generation
                 self._refresh()
             moved = 0
-            for obs in list(self.observers.values()):
+            for key, obs in list(self.observers.items()):
+                before = dict(obs.stats)
                 try:
                     moved += obs.poll(self.writer)
+                except GuestMemoryFault:
+                    pass   # raised before a frame of zeros was written: handled below
                 except (VringError, ValueError, IndexError, struct.error):
                     obs.stats["lost"] += 1
                     obs.resync()
+                fault = obs.buf_mem.vanished()   # the frontend truncated its memory: what this look read may be zeros
+                if fault is not None:
+                    obs.stats.update({k: v for k, v in before.items() if k != "frames"})   # not real losses
+                    self._memory_vanished(key, fault)
                 if self.writer.full:
                     break
             now = time.monotonic()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from rings import vhost_user as vu
 from rings.errors import VringError
 from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, QueueLayout, align_up, feature_names, has)
-from rings.shm import MemoryTable, seal_shrink
+from rings.shm import MemoryTable, WatchedMemoryTable, seal_shrink
 
 R = vu.VhostUserRequest
 STATUS_NAMES = {1: "ACKNOWLEDGE", 2: "DRIVER", 4: "DRIVER_OK", 8: "FEATURES_OK", 0x40: "NEEDS_RESET",
@@ -48,9 +48,9 @@ def decode_base(num, packed):
 
 class MappedRegion:
     """One SET_MEM_TABLE region mapped read-only from its fd (mapped from file offset 0 up to mmap_offset +
-    size, as DPDK maps it, so mmap_offset need not be page-aligned). Known limit: a region the frontend did not
-    let us seal (POSIX shm) and then truncates kills the tap with SIGBUS at its next capture or dump read, which
-    go through views (`vring vhost` and `vring dump --shm` copy through guarded C instead: vhost/README.md)."""
+    size, as DPDK maps it, so mmap_offset need not be page-aligned). The capture and the dumps read it through
+    views; a region the frontend did not let us seal (POSIX shm) and then truncates reads as zeros from then on
+    (the buffer table is a WatchedMemoryTable), and both stop reading it and say so."""
 
     def __init__(self, region, fd):
         self.region = region
@@ -101,7 +101,8 @@ class Picture:
         self.status = None
         self.regions = []              # MappedRegion
         self.ring_mem = None           # MemoryTable in userspace-address space (ring addresses)
-        self.buf_mem = None            # MemoryTable in guest-physical space (descriptor addresses)
+        self.buf_mem = None            # WatchedMemoryTable in guest-physical space (descriptor addresses): its
+        #                                watches cover the same mappings as ring_mem's
         self.mem_conn = 0
         self.vrings = {}
         self.notes = []                # what went wrong while learning (a region that would not map, ...)
@@ -199,7 +200,8 @@ class Picture:
                 notes.append(f"region gpa {r.gpa:#x} size {r.size:#x} not mapped: {e}")
         try:
             ring = MemoryTable([(m.region.uaddr, m.region.size, m.mm, m.region.mmap_offset) for m in new])
-            buf = MemoryTable([(m.region.gpa, m.region.size, m.mm, m.region.mmap_offset) for m in new])
+            buf = WatchedMemoryTable([(m.region.gpa, m.region.size, m.mm, m.region.mmap_offset) for m in new],
+                                     whose="the frontend")
         except VringError as e:
             notes.append(f"memory table not usable: {e}")
             ring = buf = None
@@ -248,10 +250,10 @@ class Picture:
     def view(self, index):
         """A read-only observer of vring ``index`` for rings.ctl (None while it cannot be read)."""
         try:
-            layout, mem, _, features = self.ring(index)
+            layout, mem, buf_mem, features = self.ring(index)
         except VringError:
             return None
-        return VringView(layout, mem, features, self.meta(index))
+        return VringView(layout, mem, features, self.meta(index), buf_mem)
 
     def meta(self, index):
         with self.lock:
@@ -298,5 +300,10 @@ class VringView:
 
     side = "memory"
 
-    def __init__(self, layout, mem, features, meta):
+    def __init__(self, layout, mem, features, meta, watched=None):
         self.layout, self.mem, self.features, self.meta = layout, mem, features, meta
+        self.watched = watched
+
+    def memory_fault(self):
+        """rings.ctl asks after a dump: the frontend truncated the memory read (it read as zeros)?"""
+        return self.watched.vanished() if self.watched is not None else None

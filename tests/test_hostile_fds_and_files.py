@@ -564,3 +564,93 @@ def test_blocking_call_eventfd_at_its_limit_does_not_hang_the_server(tmp_path, q
             assert vu.client_call(fe.conn, R.GET_FEATURES, b"", (), timeout=3.0) is not None
         final = be.stop()
     assert be.proc.returncode == 0 and final["connections"] == 1, be.stderr()[-2000:]
+
+
+def test_watched_memory_table_reads_a_truncated_region_as_zeros_and_says_so():
+    """Where memory must be read through views (the conformance harness's ring views and its C ring polls, the
+    tap), a region whose file its owner truncated killed the reader with SIGBUS. A WatchedMemoryTable has the
+    SIGBUS handler map zero pages over what vanished: the views read zeros, ``vanished()`` names the region and the
+    first page, and the pages before the truncation point keep their data. A fault outside any watched mapping is
+    still fatal (the handler does not swallow what is not its own), also with the backend's guarded handler (the
+    other C module's copy) installed on top of it. Run in a child: without the watch the test process would die."""
+    code = textwrap.dedent("""
+        import mmap, os, sys
+        import numpy as np
+        from rings.shm import WatchedMemoryTable
+        from vhost.datapath import GuardedMemoryTable
+        fd = os.memfd_create("watched")
+        os.ftruncate(fd, 4 * mmap.PAGESIZE)
+        m = mmap.mmap(fd, 4 * mmap.PAGESIZE)
+        m[0:4] = b"kept"
+        m[2 * mmap.PAGESIZE:2 * mmap.PAGESIZE + 4] = b"gone"
+        t = WatchedMemoryTable([(0x10000, 4 * mmap.PAGESIZE - 0x100, m, 0x100)], whose="the test driver")
+        GuardedMemoryTable()   # the backend's handler, installed after (on top of) the watch's
+        view = np.frombuffer(m, np.uint8)
+        assert t.vanished() is None
+        os.ftruncate(fd, mmap.PAGESIZE)
+        assert bytes(view[2 * mmap.PAGESIZE:2 * mmap.PAGESIZE + 4]) == bytes(4), "a vanished page is not zeros"
+        assert bytes(view[0:4]) == b"kept", "a page that stayed lost its data"
+        e = t.vanished()
+        assert e is not None and "the test driver shrank" in str(e), e
+        assert e.b == 0x10000 - 0x100 + 2 * mmap.PAGESIZE, hex(e.b)   # the guest address of the first fault
+        view[3 * mmap.PAGESIZE] = 7   # writable, private: the file is not grown back
+        assert os.fstat(fd).st_size == mmap.PAGESIZE
+        t.release()
+        assert t.vanished() is None and t._watches == []
+        print("ok", flush=True)
+        if len(sys.argv) > 1:   # a region nobody watches: still the crash it always was
+            fd2 = os.memfd_create("unwatched")
+            os.ftruncate(fd2, mmap.PAGESIZE)
+            m2 = mmap.mmap(fd2, mmap.PAGESIZE)
+            os.ftruncate(fd2, 0)
+            m2[0]
+            print("survived")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+    r = subprocess.run([sys.executable, "-c", code, "unwatched"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == -signal.SIGBUS and r.stdout.split() == ["ok"], (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("then", ["stays", "leaves"])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_driver_harness_reports_a_driver_that_shrinks_its_memory(tmp_path, packed, then):
+    """`vring conform driver` reads the driver's rings through views: a driver under test that truncated its
+    (unsealable: POSIX shm) memory killed the harness with SIGBUS, so the one peer that most needed a report got
+    none. Now the vanished pages read as zeros, the run ends with a GuestMemoryFault naming the region (exit 2),
+    and nothing read from the zeros is reported as the driver's violation (without that, split reported
+    SPLIT-D-10 "avail idx moved from 8 to 0" and packed EVT-22). Also when the driver leaves right after."""
+    import json
+    from tests.procs import VRING
+    from vhost.testing import ScriptedFrontend, frame
+    sock = str(tmp_path / "conform.sock")
+    p = subprocess.Popen([*VRING, "conform", "driver", "--socket", sock, "--seconds", "3", "--wait", "20",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(sock, p)
+        with ScriptedFrontend(sock, packed=packed) as fe:
+            fe.connect()
+            fe.negotiate()
+            fe.start()
+            fe.post_rx(64)
+            fe.send([frame(i) for i in range(8)])
+            for fd in fe.kickfds:
+                os.eventfd_write(fd, 1)
+            time.sleep(0.3)
+            os.ftruncate(fe.shm.fileno(), 0)
+            for fd in fe.kickfds:
+                os.eventfd_write(fd, 1)
+            if then == "stays":
+                rc, out, err = collect(p, 60)
+        if then == "leaves":
+            rc, out, err = collect(p, 60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert rc == 2, (rc, err[-2000:])
+    report = json.loads(out)
+    assert report["error"].startswith("GuestMemoryFault: the driver under test shrank the memory it shared: "
+                                      "region gpa 0x40000000"), report["error"]
+    assert [r["id"] for r in report["results"] if r["status"] != "pass" and r["fails"]] == [], report["results"]
+    assert "Traceback" not in err

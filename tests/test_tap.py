@@ -333,3 +333,49 @@ def test_tap_cli_errors_and_decode(tmp_path, capsys):
     assert out[1].startswith("line 2: not a tap log record") and out[2].startswith("line 3: not a tap log record")
     with pytest.raises(SystemExit, match="vring tap: "):
         cli.main(["tap", "--decode", str(tmp_path / "missing.log")])
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_tap_outlives_a_frontend_that_shrinks_its_memory(procs, tmp_path, fmt):
+    """A frontend truncated its (unsealable: POSIX shm) memory while the tap captured and dumped its rings: the
+    tap read them through views and died of SIGBUS, taking both peers' connection with it. Now the vanished
+    pages read as zeros: the capture of those vrings stops with one error line (no frame made of zeros is
+    written), a live dump of them is an error naming the truncation, and the tap exits cleanly when told."""
+    from vhost.testing import ScriptedFrontend, frame
+    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
+    pcap = tmp_path / "tap.pcap"
+    # the backend sleeps on its kick eventfd when idle: it does not meet the truncation itself and drop the
+    # frontend (which would end the vrings' capture first)
+    backend = procs.start("vhost", "--socket", vh, "--fwd", "macswap", "--idle", "sleep")
+    wait_for(vh, backend)
+    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--pcap", str(pcap))
+    wait_for(a, tap)
+    wait_for(tctl, tap)
+    with ScriptedFrontend(a, packed=fmt == "packed") as fe:
+        fe.connect()
+        fe.negotiate()
+        fe.start()
+        fe.post_rx(64)
+        sent = [frame(i) for i in range(16)]
+        fe.send(sent)
+        os.eventfd_write(fe.kickfds[1], 1)
+        assert len(fe.receive_until(len(sent), timeout=10)) == len(sent)
+        assert ctl.query(tctl, "tx").snapshot()["format"] == fmt   # readable before
+        deadline = time.monotonic() + 10
+        while not frames(pcap):   # the capture is a bystander: it may miss frames, but it has some of these
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        os.ftruncate(fe.shm.fileno(), 0)
+        with pytest.raises(Exception, match="GuestMemoryFault: the frontend shrank the memory it shared"):
+            ctl.query(tctl, "tx")
+        with pytest.raises(Exception, match="GuestMemoryFault"):
+            ctl.query(tctl, "rx")
+        time.sleep(0.5)   # the capture thread looks at every started vring in a loop: it meets the zeros at once
+        assert tap.poll() is None, tap.communicate()
+    tap.send_signal(signal.SIGTERM)
+    _, err = tap.communicate(timeout=20)
+    assert tap.returncode == 0, err
+    assert re.search(r"capture of vring [01] stopped: GuestMemoryFault: the frontend shrank", err), err
+    looped = {f[6:12] + f[:6] + f[12:] for f in sent}   # macswap
+    written = [buf for _ts, buf in frames(pcap)]
+    assert written and all(buf in sent or buf in looped for buf in written), written   # none made of zeros

@@ -366,3 +366,44 @@ def test_a_chain_of_long_segments_makes_at_most_one_frames_worth(rx):
     dev.flush()
     obs.poll(out)
     assert len(out.frames) == 1 and len(out.frames[0]) <= MAX_FRAME
+
+
+@pytest.mark.parametrize("fmt", ["split", "packed"])
+def test_buffers_the_frontend_truncated_away_are_not_written_as_frames(fmt):
+    """The frontend truncated its memory (the buffers' pages) after the tap saw the buffers published and before
+    their used entries: the bytes read as zeros now (WatchedMemoryTable), and the observer raises GuestMemoryFault
+    instead of writing frames of zeros. In a child process: a regression would be SIGBUS."""
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent(f"""
+        import mmap, os
+        from rings.errors import GuestMemoryFault
+        from rings.shm import WatchedMemoryTable
+        from tests.test_tap_capture import (BASE, DATA, MEMSIZE, PackedObserver, Sink, SplitObserver, frame,
+                                            send, rings)
+        import tests.test_tap_capture as t
+        fd = os.memfd_create("tap-capture")
+        os.ftruncate(fd, MEMSIZE)
+        m = mmap.mmap(fd, MEMSIZE)
+        t.MemoryTable = lambda regions: WatchedMemoryTable([(BASE, MEMSIZE, m)], whose="the frontend")
+        mem, lay, feats, drv, dev = rings({fmt!r}, 8)
+        obs = (PackedObserver if {fmt!r} == "packed" else SplitObserver)(lay, mem, mem, feats, False)
+        out = Sink()
+        send(mem, drv, [frame(k) for k in range(1, 4)])
+        obs.poll(out)                        # published: seen
+        ch = dev.poll()
+        dev.push_used(list(ch.id), [0] * 3)
+        dev.flush()
+        os.ftruncate(fd, DATA - BASE)        # the rings stay, the buffers go
+        try:
+            obs.poll(out)
+            raise SystemExit(f"no error; frames {{out.frames}}")
+        except GuestMemoryFault as e:
+            assert "the frontend shrank" in str(e), e
+        assert out.frames == [], out.frames
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=__file__.rsplit("/tests/", 1)[0])
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])

@@ -243,7 +243,7 @@ class NetDevice:
 
     def _set_mem_table(self, msg, regions):
         fds = msg.take_fds()
-        mapped = []
+        mapped, table = [], None
         try:
             for i, (r, fd) in enumerate(zip(regions, fds)):
                 # sealed first, checked second: a size checked before the seal could still shrink afterwards
@@ -267,6 +267,8 @@ class NetDevice:
                 table.add(r.gpa, r.size, shm.buf, r.mmap_offset)
             cmem = CMemory(table)
         except BaseException as e:
+            if table is not None:
+                table.release()
             for _r, shm in mapped:
                 shm.close()
             for fd in fds:
@@ -276,8 +278,10 @@ class NetDevice:
                 raise Refused(f"SET_MEM_TABLE: {e}") from None
             raise
         self._stop("new memory table")
-        old = self.regions
+        old, old_mem = self.regions, self.mem
         self.regions, self.mem, self.cmem = mapped, table, cmem
+        if old_mem is not None:
+            old_mem.release()
         for _r, shm in old:
             shm.close()
         for r, _shm in mapped:
@@ -551,7 +555,9 @@ class NetDevice:
         self._stop("connection closed")
         for v in self.vrings:
             v.close_fds()
-        regions, self.regions, self.mem, self.cmem = self.regions, [], None, None
+        regions, mem, self.regions, self.mem, self.cmem = self.regions, self.mem, [], None, None
+        if mem is not None:
+            mem.release()
         for _r, shm in regions:
             shm.close()
         self._close_inflight()

@@ -152,7 +152,13 @@ class ScriptedFrontend:
         return want
 
     def start(self):
-        """Steps 11-22: memory table, vrings, enable, DRIVER_OK; then the driver halves of both queues."""
+        """Steps 11-22: the driver halves of both queues (their rings initialised before the device may look at
+        them: the device area is the device's from DRIVER_OK on, SPLIT-L-08 / EVT-22); then memory table, vrings,
+        enable, DRIVER_OK."""
+        self.rxq = DriverQueue(self.mem, self.layouts[0], self.features)
+        self.txq = DriverQueue(self.mem, self.layouts[1], self.features)
+        self.rxq.enable_calls(False)
+        self.txq.enable_calls(False)
         self.call(R.SET_MEM_TABLE, vu.pack_mem_table([self.mem_region()]), [self.shm.fileno()], need_reply=True)
         for i in range(2):
             self.call(R.SET_VRING_NUM, vu.VringState(i, self.size).pack())
@@ -162,10 +168,6 @@ class ScriptedFrontend:
         for i in range(2):
             self.call(R.SET_VRING_ENABLE, vu.VringState(i, 1).pack())
         self.call(R.SET_STATUS, vu.pack_u64(0xF), need_reply=True)
-        self.rxq = DriverQueue(self.mem, self.layouts[0], self.features)
-        self.txq = DriverQueue(self.mem, self.layouts[1], self.features)
-        self.rxq.enable_calls(False)
-        self.txq.enable_calls(False)
         self.rx_slots = {}
         self.tx_slots = {}
 

@@ -13,13 +13,23 @@
  *     int r = the_loop(...);
  *     gf_disarm();
  *     return r;
- * What the interrupted call was doing is left half done: the caller must never touch those queues again. */
+ * What the interrupted call was doing is left half done: the caller must never touch those queues again.
+ *
+ * Zero-fill watches, for memory read where no jump buffer can be armed (the conformance harness's numpy views of
+ * the rings, the tap's captures, C ring code those call): gf_watch_add registers a mapping; an unarmed fault
+ * inside it maps anonymous zero pages over the vanished page (as Wayland compositors do for client buffers), counts
+ * it and returns, so the access is retried and reads zeros. The owner of the views asks gf_watch_faults before it
+ * believes what it read since. Anything else gets the disposition that was there before ours: a handler is called
+ * (another module's copy of this one, faulthandler), the default is restored and the fault happens again. */
 #ifndef GUEST_FAULT_H
 #define GUEST_FAULT_H
 
+#include <errno.h>
 #include <setjmp.h>
 #include <signal.h>
+#include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define GF_FAULT (-1)
 
@@ -30,17 +40,70 @@ static __thread sigjmp_buf *volatile gf_env __attribute__((tls_model("initial-ex
 static struct sigaction gf_previous;
 static int gf_installed;
 
+/* One watched mapping: [lo, hi) (hi 0: a free slot), replaced ``align`` bytes at a time (its page size). */
+#define GF_WATCH_MAX 64
+struct gf_watch {
+    volatile uintptr_t lo, hi, align;
+    volatile unsigned long faults;       /* pages replaced by zeros so far */
+    volatile uintptr_t first;            /* the first address that faulted */
+};
+static struct gf_watch gf_watches[GF_WATCH_MAX];
+static volatile unsigned long gf_watch_fills;   /* pages replaced in any watch: the readers' cheap first test */
+
+/* In the handler: replace the page of a watched mapping that holds ``a`` by zeros. 1 if done. */
+static int gf_fill(uintptr_t a)
+{
+    for (int i = 0; i < GF_WATCH_MAX; i++) {
+        struct gf_watch *w = &gf_watches[i];
+        uintptr_t hi = w->hi;
+        if (!hi || a < w->lo || a >= hi)
+            continue;
+        /* the mapping's page size; a hugetlbfs mapping refuses a smaller piece (EINVAL): then 2 MiB, then 1 GiB,
+         * never reaching below the mapping's start (its huge pages are whole, so they cannot reach past its end) */
+        const uintptr_t sizes[3] = {w->align, (uintptr_t)1 << 21, (uintptr_t)1 << 30};
+        int saved = errno, done = 0;
+        for (int k = 0; k < 3 && !done; k++) {
+            uintptr_t page = a & ~(sizes[k] - 1);
+            if (sizes[k] < w->align || page < w->lo)
+                continue;
+            done = mmap((void *)page, sizes[k], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
+                        -1, 0) != MAP_FAILED;
+            if (!done && errno != EINVAL)
+                break;
+        }
+        errno = saved;   /* the interrupted code may be about to read it */
+        if (!done)
+            return 0;
+        if (__atomic_fetch_add(&w->faults, 1, __ATOMIC_RELAXED) == 0)   /* threads may fault at once */
+            w->first = a;
+        __atomic_fetch_add(&gf_watch_fills, 1, __ATOMIC_RELEASE);
+        return 1;
+    }
+    return 0;
+}
+
 static void gf_handler(int sig, siginfo_t *si, void *uc)
 {
-    (void)uc;
     sigjmp_buf *env = gf_env;
-    if (env && si && si->si_code > 0) {   /* raised by the kernel for an access of this thread, while armed */
+    int kernel = si && si->si_code > 0;   /* raised by the kernel for an access of this thread */
+    if (env && kernel) {                  /* ... while armed */
         gf_env = NULL;
         siglongjmp(*env, 1);
     }
-    /* not ours: back to what was there before, and let the fault happen again (or the signal be delivered) */
-    sigaction(SIGBUS, &gf_previous, NULL);
-    if (!si || si->si_code <= 0)
+    if (kernel && gf_fill((uintptr_t)si->si_addr))
+        return;
+    /* not ours: what was there before (another module's gf_handler may be armed or watching) */
+    if (gf_previous.sa_flags & SA_SIGINFO) {
+        if (gf_previous.sa_sigaction) {
+            gf_previous.sa_sigaction(sig, si, uc);
+            return;
+        }
+    } else if (gf_previous.sa_handler != SIG_DFL && gf_previous.sa_handler != SIG_IGN) {
+        gf_previous.sa_handler(sig);
+        return;
+    }
+    sigaction(SIGBUS, &gf_previous, NULL);   /* the default: the fault happens again and is fatal */
+    if (!kernel)
         raise(sig);
 }
 
@@ -54,7 +117,14 @@ static int gf_install(void)
     sa.sa_sigaction = gf_handler;
     sa.sa_flags = SA_SIGINFO | SA_NODEFER;   /* we leave by siglongjmp: SIGBUS must not stay blocked */
     sigemptyset(&sa.sa_mask);
-    if (sigaction(SIGBUS, &sa, &gf_previous) != 0)
+    /* what was there is kept before ours goes in (the handler may run at once), and never ours itself (two threads
+     * installing at once would make it call itself for every fault that is not its own) */
+    struct sigaction old;
+    if (sigaction(SIGBUS, NULL, &old) != 0)
+        return -1;
+    if (!((old.sa_flags & SA_SIGINFO) && old.sa_sigaction == gf_handler))
+        gf_previous = old;
+    if (sigaction(SIGBUS, &sa, NULL) != 0)
         return -1;
     gf_installed = 1;
     return 0;
@@ -74,6 +144,51 @@ static inline int gf_caught(void)
 {
     gf_env = NULL;
     return GF_FAULT;
+}
+
+/* Watch [lo, lo + len) (lo aligned to align, a power of two): the slot, or -1 (bad arguments, no free slot, or the
+ * handler could not be installed). cffi calls run without the GIL: a slot is claimed by compare-and-swap (hi 1
+ * while it is being filled in covers no address a SIGBUS can have). */
+static inline int gf_watch_add(uintptr_t lo, size_t len, size_t align)
+{
+    if (!len || !align || (align & (align - 1)) || (lo & (align - 1)) || lo + len < lo || gf_install() != 0)
+        return -1;
+    for (int i = 0; i < GF_WATCH_MAX; i++) {
+        struct gf_watch *w = &gf_watches[i];
+        uintptr_t free_slot = 0;
+        if (!__atomic_compare_exchange_n(&w->hi, &free_slot, 1, 0, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED))
+            continue;
+        w->lo = lo;
+        w->align = align;
+        w->faults = 0;
+        w->first = 0;
+        __atomic_store_n(&w->hi, lo + len, __ATOMIC_RELEASE);   /* live only once complete */
+        return i;
+    }
+    return -1;
+}
+
+/* Stop watching (before the mapping goes: its addresses may be reused by a mapping that is not ours to fill). */
+static inline void gf_watch_remove(int slot)
+{
+    if (slot >= 0 && slot < GF_WATCH_MAX)
+        __atomic_store_n(&gf_watches[slot].hi, 0, __ATOMIC_RELEASE);
+}
+
+/* Pages replaced by zeros in all watches so far (one load: readers test it per frame). */
+static inline unsigned long gf_watch_total(void)
+{
+    return gf_watch_fills;
+}
+
+/* Pages of a watched mapping replaced by zeros so far; *first: the first address that faulted. */
+static inline unsigned long gf_watch_faults(int slot, uintptr_t *first)
+{
+    if (slot < 0 || slot >= GF_WATCH_MAX)
+        return 0;
+    if (first)
+        *first = gf_watches[slot].first;
+    return gf_watches[slot].faults;
 }
 
 #endif
