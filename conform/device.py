@@ -736,10 +736,7 @@ class Queue:
     # -- notifications ----------------------------------------------------------------------------------------
 
     def calls(self):
-        try:
-            return os.eventfd_read(self.callfd)
-        except BlockingIOError:
-            return 0
+        return vu.eventfd_take(self.callfd)
 
 
 class DeviceHarness:

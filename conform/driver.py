@@ -243,10 +243,7 @@ class Vq:
         r, _, _ = select.select([fd], [], [], 0)
         if not r:
             return 0
-        try:
-            n = os.eventfd_read(fd)
-        except BlockingIOError:
-            return 0
+        n = vu.eventfd_take(fd)
         self.kicks += n
         return n
 
@@ -656,7 +653,7 @@ class DriverHarness:
             for v in dev.vrings:
                 if v.kickfd >= 0:
                     rr, _, _ = select.select([v.kickfd], [], [], 0)
-                    kicks.append(os.eventfd_read(v.kickfd) if rr else 0)
+                    kicks.append(vu.eventfd_take(v.kickfd) if rr else 0)
             r.check("NOTIF-08", not any(kicks), lambda: f"{sum(kicks)} kick(s) before DRIVER_OK")
 
     # -- traffic ----------------------------------------------------------------------------------------------

@@ -255,6 +255,32 @@ class VringFile:
         return cls(value & VRING_IDX_MASK, bool(value & VRING_NOFD_MASK))
 
 
+RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def eventfd_take(fd) -> int:
+    """Read (and so reset) the counter of a kick or call eventfd that a peer shares, never blocking: 0 when it was
+    0. The peer holds the same file description, so it can clear O_NONBLOCK and read the counter itself between
+    our select and our read; a plain read would then wait for good. preadv2 with RWF_NOWAIT does not depend on
+    O_NONBLOCK (eventfds accept it since Linux 5.x); where it is refused (an older kernel) the plain read is left."""
+    buf = bytearray(8)
+    try:
+        n = os.preadv(fd, [buf], -1, RWF_NOWAIT) if RWF_NOWAIT else None
+    except BlockingIOError:
+        return 0
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        n = None
+    if n is None:
+        try:
+            return os.eventfd_read(fd)
+        except BlockingIOError:
+            return 0
+    return int.from_bytes(buf, "little") if n == 8 else 0
+
+
+
 @dataclass(frozen=True)
 class MemRegion:
     """One SET_MEM_TABLE region (32 bytes). Buffers are looked up by ``gpa``, rings by ``uaddr``; the region's

@@ -5,13 +5,16 @@ Kick (SET_VRING_KICK): the frontend writes its eventfd; the backend gets the tap
 tap reads the frontend's, counts, and writes the same count to its own. Call (SET_VRING_CALL): the backend
 gets the tap's eventfd and writes it; the tap reads it, counts, and writes the count to the frontend's.
 Nothing is changed on the peers' fds (no O_NONBLOCK flipped on a file description they share): the tap
-reads only fds that epoll says are ready, and it is their only reader. The tap holds both fds of a route
+reads only fds that epoll says are ready, with reads that cannot block (rings.vhost_user.eventfd_take: a
+peer may read the counter first, with O_NONBLOCK cleared). The tap holds both fds of a route
 until the vring's KICK/CALL is replaced or the session ends.
 """
 import os
 import select
 import threading
 import time
+
+from rings import vhost_user as vu
 
 
 class NotifyRelay:
@@ -79,8 +82,10 @@ class NotifyRelay:
                         continue
                     kind, index, target, _, _ = route
                     try:
-                        count = int.from_bytes(os.read(fd, 8), "little")
-                    except (BlockingIOError, OSError):
+                        count = vu.eventfd_take(fd)
+                    except OSError:
+                        continue
+                    if not count:
                         continue
                     try:
                         os.eventfd_write(target, count)  # pass it on: same count, the peer sees no difference

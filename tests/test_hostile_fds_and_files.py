@@ -654,3 +654,33 @@ def test_conform_driver_harness_reports_a_driver_that_shrinks_its_memory(tmp_pat
                                       "region gpa 0x40000000"), report["error"]
     assert [r["id"] for r in report["results"] if r["status"] != "pass" and r["fails"]] == [], report["results"]
     assert "Traceback" not in err
+
+
+def test_eventfd_reads_do_not_block_when_the_peer_cleared_o_nonblock_and_took_the_count():
+    """A kick or call eventfd is one file description shared with the peer: a hostile peer can clear O_NONBLOCK
+    on it and read the counter itself between our select and our read. A plain read then blocked for good: `vring
+    vhost`'s server thread on a kick, our driver on a call, the conformance harnesses and the tap's notify relay
+    likewise. Every reader now takes the count with preadv2(RWF_NOWAIT), which ignores O_NONBLOCK. Run in a
+    child: a regression hangs, and the timeout reports it."""
+    code = textwrap.dedent("""
+        import os, types
+        from rings import vhost_user as vu
+        from vhost.device import NetDevice
+        from virtio.app import _eventfd_count
+        from conform.device import Queue
+        fd = os.eventfd(0)   # blocking, counter 0: what the peer left after taking the kick
+        assert vu.eventfd_take(fd) == 0
+        os.eventfd_write(fd, 3)
+        assert vu.eventfd_take(fd) == 3 and vu.eventfd_take(fd) == 0
+        dev = NetDevice()
+        dev.vrings[1].kickfd = fd
+        dev.kicked()                              # vring vhost, --idle sleep, after select said "readable"
+        assert _eventfd_count(fd) == 0            # vring driver: calls nobody waited for
+        q = Queue.__new__(Queue)
+        q.callfd = fd
+        assert q.calls() == 0                     # vring conform device
+        dev.vrings[1].kickfd = -1
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])

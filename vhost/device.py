@@ -537,8 +537,8 @@ class NetDevice:
     def kicked(self):
         """The kick eventfd is readable: consume it (its counter is the kicks since the last read)."""
         try:
-            count = os.eventfd_read(self.vrings[1].kickfd)
-        except (BlockingIOError, OSError):
+            count = vu.eventfd_take(self.vrings[1].kickfd)
+        except OSError:
             count = 0
         if self.datapath is not None:
             self.datapath.kicked(count)

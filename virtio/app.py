@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from rings import vhost_user as vu
 from rings.errors import PeerGone, VringError
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
@@ -133,10 +134,7 @@ def _eventfd_count(fd):
     """Calls the device made that nobody waited for (the eventfd's counter; reading resets it)."""
     if fd is None:
         return 0
-    try:
-        return os.eventfd_read(fd)
-    except BlockingIOError:
-        return 0
+    return vu.eventfd_take(fd)
 
 
 class _Stop:

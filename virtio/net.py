@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from rings import vhost_user as vu
 from rings import virtq as _virtq
 from rings._virtq import ffi as rings_ffi
 from rings.errors import ConfigError
@@ -423,12 +424,8 @@ class RxQueue:
             if self.pending():   # EVT-09: re-check after enabling
                 return True
             r, _, _ = select.select([self.callfd, *wake], [], [], timeout)
-            if self.callfd in r:
-                try:
-                    os.eventfd_read(self.callfd)
-                    self.wakeups += 1
-                except BlockingIOError:
-                    pass
+            if self.callfd in r and vu.eventfd_take(self.callfd):
+                self.wakeups += 1
             return self.pending()
         finally:
             self.c.calls_on = 0
