@@ -156,6 +156,7 @@ class DriverMemory(WatchedMemoryTable):
         fault = self.vanished()
         if fault is not None and self.harness.memory_fault is None:
             self.harness.memory_fault = fault
+            self.harness.report.drop_passes_since_checkpoint()
         super().release()
 
 
@@ -540,11 +541,15 @@ class DriverHarness:
         evidence (the report drops fails found from then on; the run ends with the fault as its error)."""
         if self.memory_fault is None and self.dev is not None and self.dev.mem is not None:
             self.memory_fault = self.dev.mem.vanished()
+            if self.memory_fault is not None:
+                self.report.drop_passes_since_checkpoint()
         return self.memory_fault is None
 
     def _end_if_memory_vanished(self):
+        """After a step: what it read was there (its passes stand), or the run ends on the truncation."""
         if not self.memory_intact():
             raise SessionEnded(self._why_ended(None))
+        self.report.checkpoint()
 
     def _why_ended(self, e):
         """Why a data path ended: the driver's truncation first (a ring error read from zeros is its echo)."""

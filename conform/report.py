@@ -185,6 +185,7 @@ class Report:
         self.error: str | None = None   # a connection/protocol error that ended the run early
         # asked before a fail or warn is recorded: False drops it (evidence read from memory the peer took away)
         self.evidence_valid = lambda: True
+        self._sound = dict.fromkeys(self.results, 0)   # passes at the last checkpoint
 
     def _get(self, id_):
         try:
@@ -195,6 +196,15 @@ class Report:
     def ok(self, id_, n=1):
         """n observations that satisfied the requirement."""
         self._get(id_).passes += n
+
+    def checkpoint(self):
+        """The passes so far are sound: what they were read from was still there after them."""
+        self._sound = {i: r.passes for i, r in self.results.items()}
+
+    def drop_passes_since_checkpoint(self):
+        """What the passes since the last checkpoint were read from turned out gone (read as zeros): no evidence."""
+        for i, n in self._sound.items():
+            self.results[i].passes = n
 
     def fail(self, id_, evidence):
         r = self._get(id_)

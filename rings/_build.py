@@ -52,7 +52,7 @@ void vq_dev_enable_kicks(struct vq_device *q, int on);
 uint8_t *vq_translate(const struct vq_mem *m, uint64_t gpa, uint64_t len);
 int gf_watch_add(uintptr_t lo, size_t len, size_t align);
 void gf_watch_remove(int slot);
-unsigned long gf_watch_faults(int slot, uintptr_t *first);
+unsigned long gf_watch_faults(int slot, uintptr_t *lowest);
 unsigned long gf_watch_total(void);
 """
 

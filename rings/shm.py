@@ -209,7 +209,9 @@ class MemoryTable:
         for r in regions:
             self.add(*r) if isinstance(r, tuple) else self.add(r.gpa, r.size, r.buf, r.offset)
 
-    def add(self, gpa, size, buf, offset=0):
+    def add(self, gpa, size, buf, offset=0, file=None):
+        """``file``: (fd, size it must keep) of the file behind ``buf``, for tables that watch it (WatchedMemoryTable);
+        ignored here."""
         if len(self.regions) >= MAX_REGIONS:
             raise MemoryTableError(f"at most {MAX_REGIONS} regions")
         if size <= 0 or gpa < 0 or gpa + size > 1 << 64:
@@ -255,17 +257,23 @@ class WatchedMemoryTable(MemoryTable):
     """Someone else's memory read through views, where a guarded copy does not fit (the conformance harness reads
     the rings through numpy views and polls them with the C ring code; the tap's captures). A region whose owner
     truncates its file (POSIX shm cannot be sealed) does not kill us with SIGBUS: the pages that vanished read as
-    zeros from then on (guest_fault.h's zero-fill watch maps anonymous pages over them). Whoever reads through the
-    views asks ``vanished()`` before believing what it read. ``whose``: the memory's owner, for the error.
-    Hugetlbfs regions are replaced 2 MiB or 1 GiB at a time (the handler tries the page sizes in turn)."""
+    zeros from then on (guest_fault.h's zero-fill watch maps anonymous pages over them, from the first page that
+    faulted to the end of the mapping). Whoever reads through the views asks ``vanished()`` before believing what
+    it read. ``whose``: the memory's owner, for the error. Hugetlbfs regions are replaced 2 MiB or 1 GiB at a time
+    (the handler tries the page sizes in turn).
+
+    A truncation inside a page leaves that page's tail reading zeros with no SIGBUS at all: a region added with
+    ``file=(fd, end)`` (its file, and the size the file must keep: where the region ends in it, buf mapping the
+    file from offset 0) is also compared with the file's size (an fstat per region and call)."""
 
     def __init__(self, regions=(), whose="the peer"):
         self.whose = whose
-        self._watches = []     # (slot, gpa, offset of gpa in the mapping, mapping address)
+        self._watches = []     # (slot, gpa, size, offset of gpa in the mapping, mapping address)
+        self._files = []       # (fd, end, gpa, size, offset of gpa in the file)
         self._release = weakref.finalize(self, WatchedMemoryTable._unwatch, self._watches)
         super().__init__(regions)
 
-    def add(self, gpa, size, buf, offset=0):
+    def add(self, gpa, size, buf, offset=0, file=None):
         from ._virtq import ffi, lib
         super().add(gpa, size, buf, offset)
         base = int(ffi.cast("uintptr_t", ffi.from_buffer(buf)))
@@ -274,22 +282,38 @@ class WatchedMemoryTable(MemoryTable):
             self.regions.pop()
             raise MemoryTableError(f"region gpa={gpa:#x}: cannot watch its mapping at {base:#x} (at most 64 "
                                    f"watched mappings per process, and the mapping must be page aligned)")
-        self._watches.append((slot, gpa, offset, base))
+        self._watches.append((slot, gpa, size, offset, base))
+        if file is not None:
+            self._files.append((file[0], file[1], gpa, size, offset))
         return self
 
-    def vanished(self):
-        """GuestMemoryFault naming the first region that lost pages under us (they read as zeros), or None."""
+    def _lost(self):
+        """(region gpa, region end, the guest address from which it is gone) for each region that lost its end."""
         from ._virtq import ffi, lib
-        if not self._watches or not lib.gf_watch_total():   # the common case in one C call
-            return None
-        first = ffi.new("uintptr_t *")
-        for slot, gpa, offset, base in self._watches:
-            n = lib.gf_watch_faults(slot, first)
-            if n:
-                at = gpa + int(first[0]) - base - offset
-                return GuestMemoryFault(f"{self.whose} shrank the memory it shared: region gpa {gpa:#x} lost "
-                                        f"{n} page(s) under our mapping (the first at gpa {at:#x}; SIGBUS caught, "
-                                        f"they read as zeros since)", a=gpa, b=at)
+        out = []
+        if self._watches and lib.gf_watch_total():   # nothing vanished anywhere: one C call
+            lowest = ffi.new("uintptr_t *")
+            for slot, gpa, size, offset, base in self._watches:
+                if lib.gf_watch_faults(slot, lowest):
+                    out.append((gpa, gpa + size, max(gpa, gpa + int(lowest[0]) - base - offset)))
+        for fd, end, gpa, size, offset in self._files:
+            try:
+                st_size = os.fstat(fd).st_size
+            except OSError:
+                continue
+            if st_size < end:
+                out.append((gpa, gpa + size, max(gpa, gpa + st_size - offset)))
+        return out
+
+    def vanished(self, ranges=None):
+        """GuestMemoryFault naming the first region that lost its end under us (it reads as zeros), or None.
+        ``ranges``: [(gpa, length)]: only a loss that overlaps one of them counts (a dump of rings whose pages
+        are all still there is still a good dump)."""
+        for gpa, end, gone in sorted(self._lost(), key=lambda x: x[2]):
+            if ranges is None or any(a < end and gone < a + n for a, n in ranges):
+                return GuestMemoryFault(f"{self.whose} shrank the memory it shared: region gpa {gpa:#x} has lost "
+                                        f"what lay from gpa {gone:#x} on (truncated under our mapping; it reads as "
+                                        f"zeros since)", a=gpa, b=gone)
         return None
 
     def release(self):

@@ -32,6 +32,7 @@ import logging
 import struct
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 
 from rings.errors import GuestMemoryFault, VringError
@@ -426,7 +427,7 @@ class Capture:
     def __init__(self, picture, writer, idle_s=0.0002):
         self.picture, self.writer, self.idle_s = picture, writer, idle_s
         self.observers = {}   # (conn, vring) -> observer
-        self.vanished = set()   # (conn, vring) whose memory the frontend truncated: not captured again
+        self.vanished = {}    # (conn, vring) -> weakref to the buffer table the frontend truncated: not read again
         self.totals = defaultdict(int)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="vring-tap capture", daemon=True)
@@ -448,18 +449,29 @@ class Capture:
         for key in list(self.observers):
             if key not in started:
                 self._retire(key)
-        for key in started - set(self.observers) - self.vanished:
+        for key in started:
             try:
                 layout, ring_mem, buf_mem, features = p.ring(key[1])
-                cls = PackedObserver if layout.packed else SplitObserver
-                self.observers[key] = cls(layout, ring_mem, buf_mem, features, key[1] % 2 == 0)
             except VringError:
                 continue
+            obs = self.observers.get(key)
+            if obs is not None and obs.source == (layout, buf_mem, features):
+                continue
+            if obs is not None:   # new memory (SET_MEM_TABLE) or a new layout for a started vring: look anew
+                self._retire(key)
+            gone = self.vanished.get(key)
+            if gone is not None and gone() is buf_mem:
+                continue
+            try:
+                cls = PackedObserver if layout.packed else SplitObserver
+                obs = self.observers[key] = cls(layout, ring_mem, buf_mem, features, key[1] % 2 == 0)
+            except VringError:
+                continue
+            obs.source = (layout, buf_mem, features)
 
     def _memory_vanished(self, key, fault):
         """The frontend truncated the memory of this vring: stop capturing it, and say so in its dumps."""
-        self._retire(key)
-        self.vanished.add(key)
+        self.vanished[key] = weakref.ref(self._retire(key).buf_mem)
         with self.picture.lock:
             note = f"capture of vring {key[1]} stopped: {type(fault).__name__}: {fault}"
             if note not in self.picture.notes:
@@ -470,6 +482,7 @@ class Capture:
         obs = self.observers.pop(key)
         for k, v in obs.stats.items():
             self.totals[k] += v
+        return obs
 
     def _publish(self):
         with self.picture.lock:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from rings import vhost_user as vu
 from rings.errors import VringError
-from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, QueueLayout, align_up, feature_names, has)
+from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, QueueLayout, align_up, area_sizes, feature_names,
+                          has)
 from rings.shm import MemoryTable, WatchedMemoryTable, seal_shrink
 
 R = vu.VhostUserRequest
@@ -253,7 +254,18 @@ class Picture:
             layout, mem, buf_mem, features = self.ring(index)
         except VringError:
             return None
-        return VringView(layout, mem, features, self.meta(index), buf_mem)
+        return VringView(layout, mem, features, self.meta(index), buf_mem, self._ring_gpas(layout))
+
+    def _ring_gpas(self, layout):
+        """The ring areas of ``layout`` (userspace addresses) as guest-physical ranges [(gpa, length)]."""
+        out = []
+        with self.lock:
+            regions = [m.region for m in self.regions]
+        for addr, n in zip((layout.desc, layout.driver, layout.device), area_sizes(layout.fmt, layout.size)):
+            for r in regions:
+                if r.uaddr <= addr < r.uaddr + r.size:
+                    out.append((r.gpa + addr - r.uaddr, n))
+        return out
 
     def meta(self, index):
         with self.lock:
@@ -300,10 +312,10 @@ class VringView:
 
     side = "memory"
 
-    def __init__(self, layout, mem, features, meta, watched=None):
+    def __init__(self, layout, mem, features, meta, watched=None, ring_gpas=()):
         self.layout, self.mem, self.features, self.meta = layout, mem, features, meta
-        self.watched = watched
+        self.watched, self.ring_gpas = watched, list(ring_gpas)
 
     def memory_fault(self):
-        """rings.ctl asks after a dump: the frontend truncated the memory read (it read as zeros)?"""
-        return self.watched.vanished() if self.watched is not None else None
+        """rings.ctl asks after a dump: did the frontend truncate memory the rings lie in (read as zeros)?"""
+        return self.watched.vanished(self.ring_gpas) if self.watched is not None else None

@@ -684,3 +684,67 @@ def test_eventfd_reads_do_not_block_when_the_peer_cleared_o_nonblock_and_took_th
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_watched_memory_survives_a_ring_of_faults_and_sees_a_truncation_inside_a_page():
+    """Found by review attack40. (1) Each fault replaced one page: a peer that made us touch one page in two of a
+    large truncated region split the mapping until the kernel's map count (65530) ran out, and the next fault
+    killed the harness or the tap (a 32768-entry ring of one-page-apart buffers was enough). A truncation takes
+    the file's end, so the first fault now replaces everything from its page to the end in one mapping. (2) A
+    truncation inside a page leaves that page's tail reading zeros with no SIGBUS: a region added with its file
+    is compared with the file's size. (3) ``ranges``: a loss that does not reach them does not count. In a
+    child: a regression dies of SIGBUS."""
+    code = textwrap.dedent("""
+        import mmap, os
+        from rings.shm import WatchedMemoryTable
+        P = mmap.PAGESIZE
+        size = 512 << 20
+        fd = os.memfd_create("big")
+        os.ftruncate(fd, size)   # sparse
+        m = mmap.mmap(fd, size)
+        t = WatchedMemoryTable([(0, size, m)], whose="the test driver")
+        os.ftruncate(fd, 0)
+        for off in range(0, size, 2 * P):   # 65536 faults if each replaced one page
+            assert m[off] == 0
+        maps = sum(1 for _ in open("/proc/self/maps"))
+        assert maps < 1000, maps
+        e = t.vanished()
+        assert e is not None and e.b == 0, e   # from the first page on
+        t.release()
+
+        fd2 = os.memfd_create("midpage")
+        os.ftruncate(fd2, 4 * P)
+        m2 = mmap.mmap(fd2, 4 * P)
+        t2 = WatchedMemoryTable(whose="the test driver")
+        t2.add(0x1000, 4 * P - 0x10, m2, 0x10, file=(fd2, 4 * P))
+        assert t2.vanished() is None
+        os.ftruncate(fd2, 3 * P + 100)   # inside the last page: its tail reads zeros, no SIGBUS ever
+        assert m2[3 * P + 200] == 0
+        e = t2.vanished()
+        assert e is not None and e.b == 0x1000 + 3 * P + 100 - 0x10, (e, hex(e.b) if e else None)
+        assert t2.vanished(ranges=[(0x1000, P)]) is None              # the first page is all there
+        assert t2.vanished(ranges=[(0x1000 + 3 * P, 0x200)]) is not None
+        t2.release()
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
+
+
+def test_conform_driver_passes_read_from_vanished_memory_are_dropped():
+    """Found by review attack40: fails read from zeros were dropped, but passes were kept, so a driver whose
+    memory vanished before DRIVER_OK had PACKED-L-05 'pass' (zeros are a clean ring) where the same ring without
+    the truncation fails it. Passes since the last step that ended with the memory intact are now dropped too."""
+    from conform.driver import DriverHarness, DriverOptions
+    from rings.errors import GuestMemoryFault
+    h = DriverHarness(DriverOptions(socket="/nonexistent"))
+    r = h.report
+    r.ok("FEAT-02")
+    h.dev = type("Dev", (), {"mem": type("Mem", (), {"vanished": lambda self: None})()})()
+    h._end_if_memory_vanished()   # a step ended with the memory there: FEAT-02 stands
+    r.ok("PACKED-L-05", 2)
+    h.dev.mem.vanished = lambda: GuestMemoryFault("gone")
+    r.fail("PACKED-D-03", "read from zeros")
+    assert r.status("FEAT-02") == "pass" and r.status("PACKED-L-05") == "not exercised", r.as_dict()["results"]
+    assert r.status("PACKED-D-03") == "not exercised"
+    assert not h.memory_intact() and "gone" in str(h.memory_fault)

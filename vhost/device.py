@@ -264,7 +264,7 @@ class NetDevice:
                 mapped.append((r, shm))
             table = self.memory_table()
             for r, shm in mapped:
-                table.add(r.gpa, r.size, shm.buf, r.mmap_offset)
+                table.add(r.gpa, r.size, shm.buf, r.mmap_offset, file=(shm.fileno(), r.mmap_offset + r.size))
             cmem = CMemory(table)
         except BaseException as e:
             if table is not None:

@@ -17,7 +17,7 @@
  *
  * Zero-fill watches, for memory read where no jump buffer can be armed (the conformance harness's numpy views of
  * the rings, the tap's captures, C ring code those call): gf_watch_add registers a mapping; an unarmed fault
- * inside it maps anonymous zero pages over the vanished page (as Wayland compositors do for client buffers), counts
+ * inside it maps anonymous zero pages over the vanished pages (as Wayland compositors do for client buffers), counts
  * it and returns, so the access is retried and reads zeros. The owner of the views asks gf_watch_faults before it
  * believes what it read since. Anything else gets the disposition that was there before ours: a handler is called
  * (another module's copy of this one, faulthandler), the default is restored and the fault happens again. */
@@ -40,42 +40,50 @@ static __thread sigjmp_buf *volatile gf_env __attribute__((tls_model("initial-ex
 static struct sigaction gf_previous;
 static int gf_installed;
 
-/* One watched mapping: [lo, hi) (hi 0: a free slot), replaced ``align`` bytes at a time (its page size). */
+/* One watched mapping: [lo, hi) (hi 0: a free slot, 1: being filled in), in pages of ``align`` bytes. */
 #define GF_WATCH_MAX 64
 struct gf_watch {
     volatile uintptr_t lo, hi, align;
-    volatile unsigned long faults;       /* pages replaced by zeros so far */
-    volatile uintptr_t first;            /* the first address that faulted */
+    volatile unsigned long faults;       /* faults met in it so far */
+    volatile uintptr_t lowest;           /* the lowest page replaced by zeros (from there to hi: all of them) */
 };
 static struct gf_watch gf_watches[GF_WATCH_MAX];
-static volatile unsigned long gf_watch_fills;   /* pages replaced in any watch: the readers' cheap first test */
+static volatile unsigned long gf_watch_fills;   /* faults met in any watch: the readers' cheap first test */
 
-/* In the handler: replace the page of a watched mapping that holds ``a`` by zeros. 1 if done. */
+/* In the handler: a page of a watched mapping that holds ``a`` vanished. A truncation takes a file's end away, so
+ * every page from this one to the end of the mapping has gone too: they are all replaced by zeros in one mapping
+ * (one per page would split the file mapping until the kernel's map count ran out, and the next fault would be
+ * fatal). 1 if done. */
 static int gf_fill(uintptr_t a)
 {
     for (int i = 0; i < GF_WATCH_MAX; i++) {
         struct gf_watch *w = &gf_watches[i];
-        uintptr_t hi = w->hi;
-        if (!hi || a < w->lo || a >= hi)
+        uintptr_t hi = __atomic_load_n(&w->hi, __ATOMIC_ACQUIRE);
+        if (hi <= 1 || a < w->lo || a >= hi)
             continue;
         /* the mapping's page size; a hugetlbfs mapping refuses a smaller piece (EINVAL): then 2 MiB, then 1 GiB,
-         * never reaching below the mapping's start (its huge pages are whole, so they cannot reach past its end) */
+         * never below the mapping's start nor past the page that holds its end */
         const uintptr_t sizes[3] = {w->align, (uintptr_t)1 << 21, (uintptr_t)1 << 30};
         int saved = errno, done = 0;
+        uintptr_t page = 0;
         for (int k = 0; k < 3 && !done; k++) {
-            uintptr_t page = a & ~(sizes[k] - 1);
+            page = a & ~(sizes[k] - 1);
+            uintptr_t end = (hi + sizes[k] - 1) & ~(sizes[k] - 1);
             if (sizes[k] < w->align || page < w->lo)
                 continue;
-            done = mmap((void *)page, sizes[k], PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED,
-                        -1, 0) != MAP_FAILED;
+            done = mmap((void *)page, end - page, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED;
             if (!done && errno != EINVAL)
                 break;
         }
         errno = saved;   /* the interrupted code may be about to read it */
         if (!done)
             return 0;
-        if (__atomic_fetch_add(&w->faults, 1, __ATOMIC_RELAXED) == 0)   /* threads may fault at once */
-            w->first = a;
+        uintptr_t low = __atomic_load_n(&w->lowest, __ATOMIC_RELAXED);   /* threads may fault at once */
+        while ((!low || page < low)
+               && !__atomic_compare_exchange_n(&w->lowest, &low, page, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            ;
+        __atomic_fetch_add(&w->faults, 1, __ATOMIC_RELEASE);   /* after lowest: a reader that sees it sees that */
         __atomic_fetch_add(&gf_watch_fills, 1, __ATOMIC_RELEASE);
         return 1;
     }
@@ -90,7 +98,8 @@ static void gf_handler(int sig, siginfo_t *si, void *uc)
         gf_env = NULL;
         siglongjmp(*env, 1);
     }
-    if (kernel && gf_fill((uintptr_t)si->si_addr))
+    /* BUS_ADRERR: an access past the end of the file (a truncation); not a hardware memory error */
+    if (kernel && si->si_code == BUS_ADRERR && gf_fill((uintptr_t)si->si_addr))
         return;
     /* not ours: what was there before (another module's gf_handler may be armed or watching) */
     if (gf_previous.sa_flags & SA_SIGINFO) {
@@ -161,7 +170,7 @@ static inline int gf_watch_add(uintptr_t lo, size_t len, size_t align)
         w->lo = lo;
         w->align = align;
         w->faults = 0;
-        w->first = 0;
+        w->lowest = 0;
         __atomic_store_n(&w->hi, lo + len, __ATOMIC_RELEASE);   /* live only once complete */
         return i;
     }
@@ -175,20 +184,21 @@ static inline void gf_watch_remove(int slot)
         __atomic_store_n(&gf_watches[slot].hi, 0, __ATOMIC_RELEASE);
 }
 
-/* Pages replaced by zeros in all watches so far (one load: readers test it per frame). */
+/* Faults met in all watches so far (one load: readers test it per frame). */
 static inline unsigned long gf_watch_total(void)
 {
-    return gf_watch_fills;
+    return __atomic_load_n(&gf_watch_fills, __ATOMIC_ACQUIRE);
 }
 
-/* Pages of a watched mapping replaced by zeros so far; *first: the first address that faulted. */
-static inline unsigned long gf_watch_faults(int slot, uintptr_t *first)
+/* Faults met in a watched mapping so far; *lowest: the lowest page replaced by zeros (all above it are too). */
+static inline unsigned long gf_watch_faults(int slot, uintptr_t *lowest)
 {
     if (slot < 0 || slot >= GF_WATCH_MAX)
         return 0;
-    if (first)
-        *first = gf_watches[slot].first;
-    return gf_watches[slot].faults;
+    unsigned long n = __atomic_load_n(&gf_watches[slot].faults, __ATOMIC_ACQUIRE);
+    if (lowest)
+        *lowest = gf_watches[slot].lowest;
+    return n;
 }
 
 #endif
