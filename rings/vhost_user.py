@@ -44,6 +44,7 @@ import os
 import socket
 import stat
 import struct
+import sys
 import time
 from array import array
 from dataclasses import dataclass, field
@@ -258,6 +259,18 @@ class VringFile:
 RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
+def fd_kind(fd) -> str:
+    """What an fd a peer sent is ('anon_inode:[eventfd]' for an eventfd; '?' if it cannot be told). A kick or call
+    fd must be an eventfd: reads of anything else may block (eventfd_take), writes to a pipe nobody drains do."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "?"
+
+
+EVENTFD = "anon_inode:[eventfd]"
+
+
 def eventfd_take(fd) -> int:
     """Read (and so reset) the counter of a kick or call eventfd that a peer shares, never blocking: 0 when it was
     0. The peer holds the same file description, so it can clear O_NONBLOCK and read the counter itself between
@@ -277,7 +290,7 @@ def eventfd_take(fd) -> int:
             return os.eventfd_read(fd)
         except BlockingIOError:
             return 0
-    return int.from_bytes(buf, "little") if n == 8 else 0
+    return int.from_bytes(buf, sys.byteorder) if n == 8 else 0
 
 
 

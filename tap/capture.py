@@ -454,10 +454,11 @@ class Capture:
                 layout, ring_mem, buf_mem, features = p.ring(key[1])
             except VringError:
                 continue
+            source = (layout, getattr(buf_mem, "ident", id(buf_mem)), features)
             obs = self.observers.get(key)
-            if obs is not None and obs.source == (layout, buf_mem, features):
-                continue
-            if obs is not None:   # new memory (SET_MEM_TABLE) or a new layout for a started vring: look anew
+            if obs is not None and obs.source == source:
+                continue   # (a memory table sent again, the same files at the same places: its buffers in flight)
+            if obs is not None:   # new memory or a new layout for a started vring: look anew
                 self._retire(key)
             gone = self.vanished.get(key)
             if gone is not None and gone() is buf_mem:
@@ -467,7 +468,7 @@ class Capture:
                 obs = self.observers[key] = cls(layout, ring_mem, buf_mem, features, key[1] % 2 == 0)
             except VringError:
                 continue
-            obs.source = (layout, buf_mem, features)
+            obs.source = source
 
     def _memory_vanished(self, key, fault):
         """The frontend truncated the memory of this vring: stop capturing it, and say so in its dumps."""

@@ -51,7 +51,9 @@ class MappedRegion:
     """One SET_MEM_TABLE region mapped read-only from its fd (mapped from file offset 0 up to mmap_offset +
     size, as DPDK maps it, so mmap_offset need not be page-aligned). The capture and the dumps read it through
     views; a region the frontend did not let us seal (POSIX shm) and then truncates reads as zeros from then on
-    (the buffer table is a WatchedMemoryTable), and both stop reading it and say so."""
+    (the buffer table is a WatchedMemoryTable), and both stop reading it and say so. Known limit: a truncation
+    inside a page makes that page's tail read zeros with no fault, and the tap (which keeps no fd to compare
+    sizes with) captures such bytes as they read; `vring conform driver` compares its regions' file sizes."""
 
     def __init__(self, region, fd):
         self.region = region
@@ -65,6 +67,8 @@ class MappedRegion:
         if st.st_blksize and st.st_size >= align_up(need, st.st_blksize):
             length = align_up(need, st.st_blksize)  # hugetlbfs maps whole huge pages
         self.mm = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+        # what the region shows: the same file at the same place is the same memory, whatever mapping reads it
+        self.ident = (region.gpa, region.size, region.uaddr, region.mmap_offset, st.st_dev, st.st_ino)
 
 
 @dataclass
@@ -203,6 +207,7 @@ class Picture:
             ring = MemoryTable([(m.region.uaddr, m.region.size, m.mm, m.region.mmap_offset) for m in new])
             buf = WatchedMemoryTable([(m.region.gpa, m.region.size, m.mm, m.region.mmap_offset) for m in new],
                                      whose="the frontend")
+            buf.ident = tuple(m.ident for m in new)   # a table sent again is no new memory (tap/capture.py)
         except VringError as e:
             notes.append(f"memory table not usable: {e}")
             ring = buf = None

@@ -160,8 +160,10 @@ class Tap:
                     self.picture.learn_reply(msg, value)
                 else:
                     self.picture.learn_request(msg, value)
+                    # only an eventfd is relayed: the relay's reads and writes of anything else could block it
+                    # (a pty, a pipe nobody drains); another fd goes on as it came, for the backend to judge
                     if self.notify is not None and msg.request in (R.SET_VRING_KICK, R.SET_VRING_CALL) \
-                            and not value.nofd:
+                            and not value.nofd and received and vu.fd_kind(received[0]) == vu.EVENTFD:
                         kind = "kick" if msg.request == R.SET_VRING_KICK else "call"
                         own = self.notify.interpose(kind, value.index, received[0], conn)
                         keep.add(received[0])

@@ -693,7 +693,8 @@ def test_watched_memory_survives_a_ring_of_faults_and_sees_a_truncation_inside_a
     the file's end, so the first fault now replaces everything from its page to the end in one mapping. (2) A
     truncation inside a page leaves that page's tail reading zeros with no SIGBUS: a region added with its file
     is compared with the file's size. (3) ``ranges``: a loss that does not reach them does not count. In a
-    child: a regression dies of SIGBUS."""
+    child: a regression dies of SIGBUS. (4) The zeros for a region larger than memory and swap are mapped
+    without reserving them (found by review attack41: a 32 GiB region's fill was refused, and the fault fatal)."""
     code = textwrap.dedent("""
         import mmap, os
         from rings.shm import WatchedMemoryTable
@@ -711,6 +712,15 @@ def test_watched_memory_survives_a_ring_of_faults_and_sees_a_truncation_inside_a
         e = t.vanished()
         assert e is not None and e.b == 0, e   # from the first page on
         t.release()
+
+        huge = 64 << 30   # a sparse file larger than our memory and swap: the zeros must not need reserving
+        fd3 = os.memfd_create("sparse")
+        os.ftruncate(fd3, huge)
+        m3 = mmap.mmap(fd3, huge)
+        t3 = WatchedMemoryTable([(0, huge, m3)], whose="the test driver")
+        os.ftruncate(fd3, 0)
+        assert m3[5 * P] == 0 and m3[huge - 1] == 0 and t3.vanished() is not None
+        t3.release()
 
         fd2 = os.memfd_create("midpage")
         os.ftruncate(fd2, 4 * P)

@@ -381,11 +381,8 @@ class NetDevice:
         if f.nofd:
             return NOFD
         fd = msg.take_fds()[0]
-        try:
-            kind = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            kind = "?"
-        if kind != "anon_inode:[eventfd]":
+        kind = vu.fd_kind(fd)
+        if kind != vu.EVENTFD:
             os.close(fd)
             raise Refused(f"{msg.name} {f.index}: the fd is {kind}, not an eventfd")
         # non-blocking, as every frontend we know makes them (DPDK, QEMU, ours): on a blocking call eventfd whose

@@ -62,8 +62,11 @@ static int gf_fill(uintptr_t a)
         if (hi <= 1 || a < w->lo || a >= hi)
             continue;
         /* the mapping's page size; a hugetlbfs mapping refuses a smaller piece (EINVAL): then 2 MiB, then 1 GiB,
-         * never below the mapping's start nor past the page that holds its end */
+         * never below the mapping's start nor past the page that holds its end. NORESERVE: a peer's region may be
+         * larger than our memory and swap (a sparse file costs it nothing); where even that is refused (strict
+         * overcommit, RLIMIT_DATA), the faulting page alone */
         const uintptr_t sizes[3] = {w->align, (uintptr_t)1 << 21, (uintptr_t)1 << 30};
+        const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE;
         int saved = errno, done = 0;
         uintptr_t page = 0;
         for (int k = 0; k < 3 && !done; k++) {
@@ -71,8 +74,9 @@ static int gf_fill(uintptr_t a)
             uintptr_t end = (hi + sizes[k] - 1) & ~(sizes[k] - 1);
             if (sizes[k] < w->align || page < w->lo)
                 continue;
-            done = mmap((void *)page, end - page, PROT_READ | PROT_WRITE,
-                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED;
+            done = mmap((void *)page, end - page, PROT_READ | PROT_WRITE, flags, -1, 0) != MAP_FAILED;
+            if (!done && errno != EINVAL)
+                done = mmap((void *)page, sizes[k], PROT_READ | PROT_WRITE, flags, -1, 0) != MAP_FAILED;
             if (!done && errno != EINVAL)
                 break;
         }
