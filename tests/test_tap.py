@@ -365,6 +365,19 @@ def test_tap_cli_errors_and_decode(tmp_path, capsys):
         cli.main(["tap", "--decode", str(tmp_path / "missing.log")])
 
 
+def tap_before_sleeping_vhost(procs, tmp_path):
+    """`vring tap --ctl --pcap` in front of `vring vhost --fwd macswap --idle sleep`: (tap, tap socket, ctl socket,
+    pcap). The backend sleeps on its kick eventfd when idle: it does not meet a truncation of the frontend's
+    memory itself and drop the frontend (which would end the vrings' capture first)."""
+    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
+    backend = procs.start("vhost", "--socket", vh, "--fwd", "macswap", "--idle", "sleep")
+    wait_for(vh, backend)
+    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--pcap", str(tmp_path / "tap.pcap"))
+    wait_for(a, tap)
+    wait_for(tctl, tap)
+    return tap, a, tctl, tmp_path / "tap.pcap"
+
+
 @pytest.mark.parametrize("lost", ["everything", "buffers"])
 @pytest.mark.parametrize("fmt", ["split", "packed"])
 def test_tap_outlives_a_frontend_that_shrinks_its_memory(procs, tmp_path, fmt, lost):
@@ -374,15 +387,7 @@ def test_tap_outlives_a_frontend_that_shrinks_its_memory(procs, tmp_path, fmt, l
     written), a live dump of them is an error naming the truncation, and the tap exits cleanly when told. When
     only the buffers went (the rings' pages are all there), the rings can still be dumped."""
     from vhost.testing import MMAP_OFFSET, PKT_BASE, ScriptedFrontend, frame
-    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
-    pcap = tmp_path / "tap.pcap"
-    # the backend sleeps on its kick eventfd when idle: it does not meet the truncation itself and drop the
-    # frontend (which would end the vrings' capture first)
-    backend = procs.start("vhost", "--socket", vh, "--fwd", "macswap", "--idle", "sleep")
-    wait_for(vh, backend)
-    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--pcap", str(pcap))
-    wait_for(a, tap)
-    wait_for(tctl, tap)
+    tap, a, tctl, pcap = tap_before_sleeping_vhost(procs, tmp_path)
     with ScriptedFrontend(a, packed=fmt == "packed") as fe:
         fe.connect()
         fe.negotiate()
@@ -427,13 +432,7 @@ def test_tap_captures_the_rings_a_new_memory_table_brings(procs, tmp_path, trunc
     from rings.shm import MemoryTable, ShmRegion
     from rings.virtq import DriverQueue
     from vhost.testing import GPA_BASE, MMAP_OFFSET, REGION_SIZE, ScriptedFrontend, frame
-    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
-    pcap = tmp_path / "tap.pcap"
-    backend = procs.start("vhost", "--socket", vh, "--fwd", "macswap", "--idle", "sleep")
-    wait_for(vh, backend)
-    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--pcap", str(pcap))
-    wait_for(a, tap)
-    wait_for(tctl, tap)
+    tap, a, tctl, pcap = tap_before_sleeping_vhost(procs, tmp_path)
 
     def watching(frames_seen):
         """Wait until the capture follows both vrings, with ``frames_seen`` frames on each so far."""
@@ -484,13 +483,7 @@ def test_tap_keeps_following_buffers_in_flight_when_the_same_memory_table_comes_
     before it was lost (8 of 160 frames captured; found by review attack41). The same files at the same places
     are the same memory: the observers stay."""
     from vhost.testing import ScriptedFrontend, frame
-    vh, a, tctl = str(tmp_path / "vh.sock"), str(tmp_path / "tap.sock"), str(tmp_path / "tap.ctl")
-    pcap = tmp_path / "tap.pcap"
-    backend = procs.start("vhost", "--socket", vh, "--fwd", "macswap", "--idle", "sleep")
-    wait_for(vh, backend)
-    tap = procs.start("tap", "--listen", a, "--connect", vh, "--ctl", tctl, "--pcap", str(pcap))
-    wait_for(a, tap)
-    wait_for(tctl, tap)
+    tap, a, tctl, pcap = tap_before_sleeping_vhost(procs, tmp_path)
     looped = set()
     with ScriptedFrontend(a, packed=True) as fe:
         fe.connect()
