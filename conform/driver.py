@@ -153,10 +153,7 @@ class DriverMemory(WatchedMemoryTable):
         super().__init__(whose="the driver under test")
 
     def release(self):   # a table replaced or closed: its fault must not go unreported with it
-        fault = self.vanished()
-        if fault is not None and self.harness.memory_fault is None:
-            self.harness.memory_fault = fault
-            self.harness.report.drop_passes_since_checkpoint()
+        self.harness.memory_lost(self.vanished())
         super().release()
 
 
@@ -540,10 +537,14 @@ class DriverHarness:
         """False once the driver has truncated memory under the harness: what was read since is zeros, not
         evidence (the report drops fails found from then on; the run ends with the fault as its error)."""
         if self.memory_fault is None and self.dev is not None and self.dev.mem is not None:
-            self.memory_fault = self.dev.mem.vanished()
-            if self.memory_fault is not None:
-                self.report.drop_passes_since_checkpoint()
+            self.memory_lost(self.dev.mem.vanished())
         return self.memory_fault is None
+
+    def memory_lost(self, fault):
+        """The first GuestMemoryFault (None: nothing lost): kept, and the passes since the last sound step go."""
+        if fault is not None and self.memory_fault is None:
+            self.memory_fault = fault
+            self.report.drop_passes_since_checkpoint()
 
     def _end_if_memory_vanished(self):
         """After a step: what it read was there (its passes stand), or the run ends on the truncation."""
@@ -1175,7 +1176,7 @@ class DriverHarness:
         r = self.report
         s = self.session
         if not self.memory_intact() and not (r.error or "").startswith("GuestMemoryFault"):
-            r.error = f"GuestMemoryFault: {self.memory_fault}"   # found as the driver left or replaced its memory
+            r.error = self._why_ended(None)   # found as the driver left or replaced its memory
         if s is not None:
             self._check_lost(s, time.monotonic(), final=True)   # what is still out after the drain is lost
             self.stop_session("end of the run")

@@ -253,6 +253,18 @@ class MemoryTable:
         return None
 
 
+_gf_watch_total = None
+
+
+def _watch_faults():
+    """Faults met in every zero-fill watch of this process so far (one C call; the C module loaded on first use)."""
+    global _gf_watch_total
+    if _gf_watch_total is None:
+        from ._virtq import lib
+        _gf_watch_total = lib.gf_watch_total
+    return _gf_watch_total()
+
+
 class WatchedMemoryTable(MemoryTable):
     """Someone else's memory read through views, where a guarded copy does not fit (the conformance harness reads
     the rings through numpy views and polls them with the C ring code; the tap's captures). A region whose owner
@@ -291,7 +303,7 @@ class WatchedMemoryTable(MemoryTable):
         """(region gpa, region end, the guest address from which it is gone) for each region that lost its end."""
         from ._virtq import ffi, lib
         out = []
-        if self._watches and lib.gf_watch_total():   # nothing vanished anywhere: one C call
+        if self._watches and _watch_faults():
             lowest = ffi.new("uintptr_t *")
             for slot, gpa, size, offset, base in self._watches:
                 if lib.gf_watch_faults(slot, lowest):
@@ -309,6 +321,8 @@ class WatchedMemoryTable(MemoryTable):
         """GuestMemoryFault naming the first region that lost its end under us (it reads as zeros), or None.
         ``ranges``: [(gpa, length)]: only a loss that overlaps one of them counts (a dump of rings whose pages
         are all still there is still a good dump)."""
+        if not self._files and not _watch_faults():   # nothing vanished anywhere (the tap asks per frame)
+            return None
         for gpa, end, gone in sorted(self._lost(), key=lambda x: x[2]):
             if ranges is None or any(a < end and gone < a + n for a, n in ranges):
                 return GuestMemoryFault(f"{self.whose} shrank the memory it shared: region gpa {gpa:#x} has lost "

@@ -256,9 +256,6 @@ class VringFile:
         return cls(value & VRING_IDX_MASK, bool(value & VRING_NOFD_MASK))
 
 
-RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-
-
 def fd_kind(fd) -> str:
     """What an fd a peer sent is ('anon_inode:[eventfd]' for an eventfd; '?' if it cannot be told). A kick or call
     fd must be an eventfd: reads of anything else may block (eventfd_take), writes to a pipe nobody drains do."""
@@ -278,14 +275,12 @@ def eventfd_take(fd) -> int:
     O_NONBLOCK (eventfds accept it since Linux 5.x); where it is refused (an older kernel) the plain read is left."""
     buf = bytearray(8)
     try:
-        n = os.preadv(fd, [buf], -1, RWF_NOWAIT) if RWF_NOWAIT else None
+        n = os.preadv(fd, [buf], -1, os.RWF_NOWAIT)
     except BlockingIOError:
         return 0
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
-        n = None
-    if n is None:
         try:
             return os.eventfd_read(fd)
         except BlockingIOError:

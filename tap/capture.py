@@ -454,7 +454,7 @@ class Capture:
                 layout, ring_mem, buf_mem, features = p.ring(key[1])
             except VringError:
                 continue
-            source = (layout, getattr(buf_mem, "ident", id(buf_mem)), features)
+            source = (layout, buf_mem.ident, features)
             obs = self.observers.get(key)
             if obs is not None and obs.source == source:
                 continue   # (a memory table sent again, the same files at the same places: its buffers in flight)
