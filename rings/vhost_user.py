@@ -274,12 +274,12 @@ def eventfd_take(fd) -> int:
     our select and our read; a plain read would then wait for good. preadv2 with RWF_NOWAIT does not depend on
     O_NONBLOCK (eventfds accept it since Linux 5.x); where it is refused (an older kernel) the plain read is left."""
     buf = bytearray(8)
-    try:
+    try:   # (a Python built without RWF_NOWAIT, or an old kernel: the plain read)
         n = os.preadv(fd, [buf], -1, os.RWF_NOWAIT)
     except BlockingIOError:
         return 0
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+    except (AttributeError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         try:
             return os.eventfd_read(fd)
