@@ -501,17 +501,25 @@ def test_conform_driver_packed_d_04_mem_04_slots_given_back_by_other_used_entrie
 # --------------------------------------------------------------------------------------------- command line
 
 def test_conform_usage_and_connection_errors_exit_2_with_one_line(tmp_path):
+    # a run that ended on a connection error still prints its --json document, with the error in it
     rc, rep, err = conform("device", "--socket", str(tmp_path / "nobody.sock"))
-    assert rc == 2 and rep is None
+    assert rc == 2 and rep["exit_code"] == 2 and rep["error"].startswith("PeerGone:"), rep
+    assert rep["role"] == "device" and not failed(rep)
     assert err.strip().count("\n") == 0 and err.startswith("vring conform: PeerGone:"), err
+    p = subprocess.run([sys.executable, "-m", "vring.cli", "conform", "device", "--socket",
+                        str(tmp_path / "nobody.sock")], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.startswith("vring conform: PeerGone:"), p
     rc, rep, err = conform("device", "--socket", str(tmp_path / "x.sock"), "--ring-size", "3")
     assert rc == 2 and err.startswith("vring conform: ConfigError:") and "power of 2" in err, err
     rc, rep, err = conform("device", "--socket", str(tmp_path / "x.sock"), "--scenarios", "nope")
     assert rc == 2 and "unknown scenario" in err, err
     rc, rep, err = conform("driver", "--socket", str(tmp_path / "y.sock"), "--seconds", "0")
     assert rc == 2 and err.startswith("vring conform: ConfigError:"), err
+    assert rep is None   # usage errors: no run, no document
     rc, rep, err = conform("driver", "--socket", str(tmp_path / "z.sock"), "--wait", "0.3")
     assert rc == 2 and err.startswith("vring conform: ProtocolTimeout:") and "nobody connected" in err, err
+    assert rep["role"] == "driver" and rep["error"].startswith("ProtocolTimeout:") and rep["exit_code"] == 2
     assert not os.path.exists(tmp_path / "z.sock")
 
 

@@ -97,6 +97,17 @@ def _fail(e):
     return 2
 
 
+def _ended(args, e, report):
+    """The run ended on an error before it had a report of its own: one line on stderr, and with --json still a
+    document (its ``error`` set), so a script reading stdout always gets one. The table shows only if something
+    already failed; the exit status is the report's (1 when a requirement failed, else 2)."""
+    _fail(e)
+    report.error = f"{type(e).__name__}: {e}"
+    if args.json or report.failed():
+        _emit(args, report)
+    return report.exit_code()
+
+
 def run_device(args):
     from conform.device import SCENARIOS, DeviceHarness, DeviceOptions
     try:
@@ -105,9 +116,13 @@ def run_device(args):
                              ring_size=args.ring_size, timeout=args.timeout, stall=args.stall, rx_wait=args.rx_wait,
                              base=args.base, layout=args.layout, seed=args.seed,
                              scenarios=tuple(args.scenarios.split(",")) if args.scenarios else SCENARIOS)
-        report = DeviceHarness(opts).run()
-    except VringError as e:
+        harness = DeviceHarness(opts)
+    except VringError as e:   # usage: no run, no report
         return _fail(e)
+    try:
+        report = harness.run()
+    except VringError as e:
+        return _ended(args, e, harness.report)
     return _emit(args, report)
 
 
@@ -117,7 +132,11 @@ def run_driver(args):
         opts = DriverOptions(socket=args.socket, client=args.client, seconds=args.seconds, wait=args.wait,
                              timeout=args.timeout, seed=args.seed, event_idx=args.event_idx, indirect=args.indirect,
                              **({"phases": tuple(args.phases.split(","))} if args.phases else {}))
-        report = DriverHarness(opts).run()
+        harness = DriverHarness(opts)
     except VringError as e:
         return _fail(e)
+    try:
+        report = harness.run()
+    except VringError as e:
+        return _ended(args, e, harness.report)
     return _emit(args, report)
