@@ -142,6 +142,11 @@ class BaseOutOfRange(RingError):
     code, spec = 17, "vhost-user SET_VRING_BASE"
 
 
+class InflightMismatch(RingError):
+    """vhost inflight tracking laid out for another ring format or size than the vring it is used with."""
+    code, spec = 18, "vhost-user SET_INFLIGHT_FD"
+
+
 class GuestMemoryFault(RingError):
     """The peer's memory vanished under the ring (SIGBUS caught in the C data path): it shrank the file behind a
     region after handing it over. What the interrupted burst was doing is half done, so the queues of that

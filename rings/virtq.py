@@ -71,6 +71,8 @@ def ring_error(code, a, b, side, size):
             f"({b} slots in flight, queue size {size})",
         17: f"vring base {a:#x} is no position of this ring (size {b}; packed: slot | wrap << 15), or {a} "
             f"entries taken past it are more than the ring holds",
+        18: f"the inflight area was made for a {'packed' if a else 'split'} ring of {b} entries, not this one "
+            f"(size {size})",
     }[code]
     return errors.RING_ERRORS[code](f"{side}: {msg}", a, b, side)
 

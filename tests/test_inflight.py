@@ -192,6 +192,46 @@ def test_hostile_area_is_refused(pair):
         pair.device()
 
 
+def test_area_of_the_other_ring_format_is_refused_at_the_queue_start_and_by_the_c_poll(pair):
+    """Found by attack43: SET_INFLIGHT_FD fixes the area's format, and a frontend that changed RING_PACKED (or
+    the ring size) afterwards had the C recovery or tracking read the ring through the pointer of the other
+    format (NULL): SIGSEGV. The queue start refuses it; the C poll and flush refuse it themselves too."""
+    from rings.errors import InflightMismatch
+    q, trk, _ = pair.device()
+    pair.add([0])
+    assert pair.poll(q, trk) == [0]
+    other = Pair(not pair.packed)
+    try:
+        q_other = DeviceQueue(other.mem, other.layout, other.features)
+        with pytest.raises(InflightError, match="made for 8-entry"):
+            trk.start(q_other, other.mem)
+        other.add([0])   # what the Python check stops, given to the C side on its own
+        c = pair.chains.c
+        c.n = c.nsegs = 0
+        assert lib.vhi_poll(_cast_dev(q_other), c, SIZE, trk.c) == -1
+        err = q_other.mark_broken()
+        assert isinstance(err, InflightMismatch) and "inflight area was made for" in str(err), err
+        trk.c.size = SIZE // 2   # a size the region's arrays were not made for
+        q.push_used([pair.id_of[0]], [0])
+        lib.vhi_flush(_cast_dev(q), trk.c)
+        assert q.c.error == InflightMismatch.code and q.c.shadow_count == 1   # nothing published
+    finally:
+        other.close()
+
+
+def test_a_counter_with_no_successor_is_refused_not_an_overflow(pair):
+    """Found by attack43: an entry in flight with counter 2^64-1 made the next counter overflow the C field
+    (OverflowError: an untyped internal error at every later message)."""
+    q, trk, _ = pair.device()
+    pair.add([0])
+    pair.poll(q, trk)
+    hdr, desc = trk.views()
+    desc["counter"][np.flatnonzero(desc["inflight"])[0]] = 2**64 - 1
+    del hdr, desc, q, trk
+    with pytest.raises(InflightError, match="counter 0xffffffffffffffff"):
+        pair.device()
+
+
 def test_area_size_checked():
     fd, size = create_area(2, SIZE, False)
     with pytest.raises(InflightError, match="cannot hold"):

@@ -252,3 +252,63 @@ def test_backend_gone_before_the_rings_are_up_is_replaced(tmp_path, monkeypatch,
     assert res["connections"] == 4, res["reconnects"]   # two lost before the rings were up, two that served
     assert pop["present"] == 64 and pop["absent"] == 0 and res["verify"]["bad"] == 0, res["verify"]
     assert res["rx"]["errors"] == res["tx"]["errors"] == 0
+
+
+_UNTRACKED_BACKEND = """import sys
+from rings import vhost_user as vu
+from rings.layout import bit
+from vhost.datapath import Options
+from vhost.server import Server
+PF = vu.VhostUserProtocolFeature
+Server(sys.argv[1], Options(fwd="macswap"),
+       device_kw={"protocol_features": bit(PF.REPLY_ACK) | bit(PF.STATUS)}).serve()
+"""
+
+
+@pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
+def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, monkeypatch, packed):
+    """Found by attack43: --reconnect through a tracking backend, one without INFLIGHT_SHMFD (DPDK net_vhost), and
+    a tracking one again. The driver handed the third the first one's area, untouched since it died: split, both
+    vrings refused ("used->idx ... past the region's used_idx"); packed, the third resumed at the area's stale
+    position and traffic stopped. The area is dropped when a backend that will not keep it runs the rings; the
+    next gets a fresh one (packed: the ring laid out afresh, as with no area)."""
+    from virtio.app import DriverConfig, run
+    sock = str(tmp_path / "vh.sock")
+    backends = [VhostProcess(sock, "--fwd", "macswap", verbose=True)]
+    untracked = killer = None
+    try:
+        backends[0].wait_socket()
+
+        def kill_and_relaunch():
+            nonlocal untracked
+            time.sleep(1.0)
+            backends[0].proc.send_signal(signal.SIGKILL)
+            backends[0].proc.wait(10)
+            os.unlink(sock)
+            untracked = subprocess.Popen([sys.executable, "-c", _UNTRACKED_BACKEND, sock], env=_env(),
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.5)
+            untracked.kill()
+            untracked.wait(10)
+            os.unlink(sock)
+            backends.append(VhostProcess(sock, "--fwd", "macswap", verbose=True))
+        import threading
+        killer = threading.Thread(target=kill_and_relaunch)
+        killer.start()
+        res = run(DriverConfig(socket=sock, reconnect=True, verify=True, mode="macfwd", count=64, seconds=5,
+                               packed=bool(packed), drain=0.1))
+    finally:
+        if killer is not None:
+            killer.join(20)
+        if untracked is not None and untracked.poll() is None:
+            untracked.kill()
+            untracked.wait()
+        logs = [be.stderr() for be in backends]
+        for be in backends:
+            be.__exit__()
+    pop = res["verify"]["population"]
+    assert res["connections"] == 3, res["reconnects"]
+    assert pop["present"] == 64 and pop["absent"] == 0 and res["verify"]["bad"] == 0, (res["verify"], logs[-1])
+    assert "cannot start" not in logs[-1] and "inflight region says" not in logs[-1], logs[-1][-3000:]
+    if packed:   # the fresh area knows no chain in flight: the ring is laid out afresh both times
+        assert [r.get("ring_reset") for r in res["reconnects"]] == [True, True], res["reconnects"]

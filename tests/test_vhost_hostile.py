@@ -296,6 +296,88 @@ def test_queue_that_cannot_start_releases_the_memory_table(server, sock_path, wh
         gc.enable()
 
 
+def _negotiate_with_inflight(fe, features):
+    """The handshake with INFLIGHT_SHMFD, up to SET_FEATURES ``features`` (DRIVER_OK not yet)."""
+    from rings.layout import bit
+    PF = vu.VhostUserProtocolFeature
+    fe.call(R.SET_OWNER)
+    fe.call(R.GET_FEATURES)
+    pf = fe.call(R.GET_PROTOCOL_FEATURES) & (bit(PF.REPLY_ACK) | bit(PF.STATUS) | bit(PF.INFLIGHT_SHMFD))
+    fe.call(R.SET_PROTOCOL_FEATURES, vu.pack_u64(pf))
+    for i in range(2):
+        fe.call(R.SET_VRING_CALL, vu.VringFile(i).pack(), [fe.callfds[i]])
+    fe.call(R.SET_FEATURES, vu.pack_u64(features))
+    fe.features = features
+
+
+@pytest.mark.parametrize("why", ["split-area-packed-rings", "packed-area-split-rings", "counter"])
+def test_queue_refused_for_its_inflight_area_frees_the_memory_and_the_backend_serves_on(server, sock_path, why):
+    """Found by attack43: an area laid out for one ring format (SET_INFLIGHT_FD under the features of the moment)
+    and rings of the other (SET_FEATURES changed RING_PACKED afterwards) had the C tracking read the ring through
+    the other format's pointer (NULL): SIGSEGV. A counter at 2^64-1 ended in an untyped OverflowError. Both are now
+    an InflightError for the vring, and the refused queue no longer pins the memory table through the error's
+    frames (as test_queue_that_cannot_start_releases_the_memory_table)."""
+    import gc
+    import mmap
+
+    import numpy as np
+
+    from vhost.inflight import DESC_SPLIT, HDR_SPLIT, queue_region_size
+    from vhost.testing import features_for
+    area_packed = why == "packed-area-split-rings"
+    gc.collect()
+    gc.disable()
+    try:
+        with ScriptedFrontend(sock_path, packed=why == "split-area-packed-rings").connect() as fe:
+            name = fe.shm.name.lstrip("/")
+            ours = _mapped_fds(name)
+            _negotiate_with_inflight(fe, features_for(area_packed))
+            rep = vu.client_call(fe.conn, R.GET_INFLIGHT_FD, vu.Inflight(0, 0, 2, fe.size).pack(), timeout=5)
+            inf, fd = vu.decode(rep, reply=True), rep.take_fds()[0]
+            try:
+                if why == "counter":   # vring 1: version 1, head 0 in flight with the last counter there is
+                    with mmap.mmap(fd, inf.mmap_size) as m:
+                        off = queue_region_size(False, fe.size)
+                        hdr = np.ndarray((), HDR_SPLIT, buffer=m, offset=off)
+                        desc = np.ndarray(fe.size, DESC_SPLIT, buffer=m, offset=off + HDR_SPLIT.itemsize)
+                        hdr["version"], hdr["desc_num"] = 1, fe.size
+                        desc[0]["inflight"], desc[0]["counter"] = 1, 2**64 - 1
+                        del hdr, desc
+                fe.call(R.SET_INFLIGHT_FD, inf.pack(), [fd], need_reply=True)
+            finally:
+                os.close(fd)
+            fe.features = features_for(fe.packed)
+            fe.call(R.SET_FEATURES, vu.pack_u64(fe.features))
+            fe.call(R.SET_STATUS, vu.pack_u64(0xB), need_reply=True)
+            fe.start()
+            assert server.wait(lambda s: s.device is not None and s.device.vrings[1].broken is not None)
+            err = server.server.device.vrings[1].broken
+            assert type(err).__name__ == "InflightError", repr(err)
+            assert ("counter 0xffffffffffffffff" if why == "counter" else "inflight area was made for") in str(err)
+            fe.call(R.SET_MEM_TABLE, vu.pack_mem_table([fe.mem_region()]), [fe.shm.fileno()], need_reply=True)
+            assert server.wait(lambda s: _mapped_fds(name) == ours + 2), "the replaced region is still mapped"
+        assert server.wait(lambda s: s.conn is None and _mapped_fds(name) == 0), "a region outlived its connection"
+    finally:
+        gc.enable()
+    with ScriptedFrontend(sock_path).connect() as fe:   # alive, for the next frontend
+        fe.negotiate()
+        fe.start()
+        fe.post_rx(8)
+        fe.send([frame(i) for i in range(4)])
+        assert len(fe.receive_until(4, timeout=5)) == 4
+
+
+def test_a_frontend_that_reconnects_as_it_closes_is_not_refused_as_busy(server, sock_path):
+    """Found by attack43: a frontend that closed its connection and connected again at once was refused "busy"
+    about one time in three: the server looked at the listener (a second frontend: busy) before it read the old
+    connection's EOF. The old connection is now read first, and one that hung up never makes a successor busy."""
+    for i in range(20):
+        fe = ScriptedFrontend(sock_path).connect()
+        fe.negotiate()
+        fe.close()
+    assert server.server.refused_busy == 0
+
+
 def test_ring_size_left_by_the_other_format_is_refused_not_an_internal_error(server, sock_path, caplog):
     """Found by fuzz/vhost_backend: SET_VRING_NUM 75 under packed features (a valid packed size), then
     SET_FEATURES switching to split: the next SET_VRING_ADDR computed the split layout of 75 entries and the

@@ -208,3 +208,49 @@ def test_mem_table_timeout_is_never_shorter_than_timeout(sock):
     asked for (attack24). SET_MEM_TABLE waits max(15 s, timeout)."""
     assert VhostUserFrontend(sock, timeout=60).mem_timeout == 60
     assert VhostUserFrontend(sock, timeout=1).mem_timeout == 15
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_an_inflight_area_its_backend_would_not_let_us_seal_is_kept_as_a_sealed_copy(sock, monkeypatch, packed):
+    """Found by attack43: a backend that hands out its inflight area unsealable (DPDK 22.11: memfd_create without
+    MFD_ALLOW_SEALING) left the driver with an area every later `vring vhost` rightly refuses (it could shrink under
+    its mapping): after a restart the run ended on that NACK. The driver now keeps a sealed copy of it, made before
+    any backend used it, and hands that to every backend, the first one too."""
+    import fcntl
+
+    import vhost.device
+    from rings.shm import F_GET_SEALS, F_SEAL_SHRINK
+    from vhost.inflight import InflightArea, create_area
+    from vhost.testing import ThreadedServer, features_for
+
+    made = []
+
+    def unsealable_area(num_queues, queue_size, is_packed):
+        fd, size = create_area(num_queues, queue_size, is_packed)   # the initial contents a backend writes
+        plain = os.memfd_create("dpdk-like-inflight", os.MFD_CLOEXEC)
+        os.ftruncate(plain, size)
+        os.pwrite(plain, os.pread(fd, size, 0), 0)
+        os.close(fd)
+        made.append(os.pread(plain, size, 0))
+        return plain, size
+    monkeypatch.setattr(vhost.device, "create_area", unsealable_area)
+    srv = ThreadedServer(sock)
+    fe = VhostUserFrontend(sock, timeout=2)
+    nq = None
+    try:
+        fe.connect()
+        features = fe.negotiate(features_for(packed))
+        assert fe.has_inflight
+        nq = NetQueues(features, size=64, nbufs=512)
+        fe.get_inflight(nq.size)
+        inf, fd = fe.inflight
+        assert fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK and inf.mmap_offset == 0
+        assert os.pread(fd, inf.mmap_size, 0) == made[0]
+        InflightArea(os.dup(fd), inf.mmap_size, 0, 2, nq.size, packed).close()   # what a successor accepts
+        fe.start(nq.mem, nq.layouts())   # the first backend takes the copy too
+        assert srv.wait(lambda s: s.device is not None and s.device.datapath is not None)
+    finally:
+        fe.close()
+        if nq:
+            nq.close()
+        srv.close()

@@ -471,8 +471,10 @@ class NetDevice:
             try:
                 tracking = QueueTracking(self.inflight, v.index, v.num)
                 again = tracking.start(q, self.mem)
-            except InflightError as e:
-                v.broken = e
+            except GuestMemoryFault:
+                raise
+            except VringError as e:   # InflightError, or a ring error the replay met (BufferIdInUse, ...)
+                v.broken = _without_frames(e)
                 log.error("vring %d cannot start: %s: %s", v.index, type(e).__name__, e)
                 return None, None
             if again:

@@ -190,6 +190,10 @@ class QueueTracking:
         """Read the region (repairing the last batch), queue what is still in flight for resubmission and set
         the DeviceQueue ``q``'s positions (split: ``used->idx`` in ``mem`` + in flight; packed: the region's
         used position + the in-flight chains' descriptors). Returns the number of chains to resubmit."""
+        if bool(q.c.packed) != self.packed or q.size != self.size:   # features changed after SET_INFLIGHT_FD
+            raise InflightError(f"vring {self.index}: the inflight area was made for {self.size}-entry "
+                                f"{'packed' if self.packed else 'split'} rings; this vring is a {q.size}-entry "
+                                f"{'packed' if q.c.packed else 'split'} ring")
         hdr, desc = self.views()
         try:
             if int(hdr["version"]) == 0:
@@ -229,7 +233,10 @@ class QueueTracking:
         heads = np.asarray(heads, np.uint16)[order]
         self.arrays["resubmit"][:len(heads)] = heads
         self.c.nresubmit, self.c.resubmit_pos = len(heads), 0
-        self.c.counter = int(counters.max()) + 1 if len(heads) else 0
+        last = int(counters.max()) if len(heads) else -1
+        if last >= 2**64 - 1:   # no later counter to give the next chain: no backend counts that far
+            raise InflightError(f"vring {self.index}: an entry in flight has counter {last:#x}, the last there is")
+        self.c.counter = last + 1
         return heads
 
     def _recover_split(self, q, hdr, desc, mem):

@@ -2,7 +2,8 @@
 
 Single-threaded: the loop alternates a time slice of the C data path (when the device runs) with a
 non-blocking look at the sockets, so control messages and forwarding never race. One frontend at a time: a
-second connection gets a busy notice (``rings.vhost_user.busy_notice``) and is closed at once, and a frontend
+second connection gets a busy notice (``rings.vhost_user.busy_notice``) and is closed at once (unless the one
+served has hung up: then it is its successor), and a frontend
 that has not asked GET_FEATURES within ``handshake_timeout`` seconds of connecting is dropped, so that a silent
 one cannot block the socket.
 
@@ -31,6 +32,13 @@ log = logging.getLogger("vhost")
 
 MSG_TIMEOUT = 5.0   # a message that starts must complete within this (a stalled frontend is dropped)
 HANDSHAKE_TIMEOUT = 5.0   # a frontend must ask GET_FEATURES within this after connecting, or it is dropped
+
+
+def _hung_up(sock):
+    """The peer closed its end of ``sock`` (whatever it left unread in it)."""
+    p = select.poll()
+    p.register(sock, select.POLLRDHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
 
 
 class Server:
@@ -263,10 +271,15 @@ class Server:
             r = [sock]
         if kick is not None and kick >= 0 and kick in r:
             dev.kicked()
-        if self.listener is not None and self.listener in r:
-            self._refuse_busy()
-        if sock in r:
+        if sock in r:   # first: it may be the EOF of a frontend whose successor is what the listener has
             self._serve_one()
+        if self.listener is not None and self.listener in r:
+            if self.conn is not None and _hung_up(self.conn.sock):   # left with messages unread: they are moot
+                self._drop("peer closed the connection")
+            if self.conn is None:
+                self._connect(0)
+            else:
+                self._refuse_busy()
 
     def _drop_faulted(self, e):
         """The frontend's memory shrank under one of our accesses: log it once, drop the connection."""

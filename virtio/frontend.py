@@ -9,17 +9,20 @@ timeout; with REPLY_ACK every request asks for an ack, so a refusal is seen wher
 Across backend restarts (virtio/session.py) the frontend keeps what the rings need: the kick/call eventfds and,
 with INFLIGHT_SHMFD, the inflight area's fd (GET_INFLIGHT_FD once, SET_INFLIGHT_FD to every backend after the
 memory table and before the vrings); ``disconnect()`` drops only the socket, and ``start()`` takes the vring
-bases from the driver's own ring state.
+bases from the driver's own ring state. The area is kept sealed against shrinking (a sealed copy of one its
+backend made unsealable: a successor refuses such an area), and dropped when a backend without INFLIGHT_SHMFD
+runs the rings (it no longer says what is in flight; the next tracking backend makes a fresh one).
 """
 import collections
 import os
 
 from rings import vhost_user as vu
 from rings.errors import (BackendBusy, ConfigError, FeatureRefused, PeerGone, ProtocolError, ProtocolNack,
-                          ProtocolTimeout)
+                          ProtocolTimeout, ShmError)
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, bit, feature_names)
+from rings.shm import ShmRegion, seal_shrink
 
 R = vu.VhostUserRequest
 PF = vu.VhostUserProtocolFeature
@@ -172,15 +175,47 @@ class VhostUserFrontend:
         self.call(R.SET_MEM_TABLE, vu.pack_mem_table([region]), fds=[mem.fileno()], timeout=self.mem_timeout)
 
     def get_inflight(self, queue_size):
-        """GET_INFLIGHT_FD once (after SET_FEATURES: the layout depends on the ring format); the area is kept."""
+        """GET_INFLIGHT_FD once (after SET_FEATURES: the layout depends on the ring format); the area is kept
+        (until ``drop_inflight``)."""
         if self.inflight is not None or not self.has_inflight:
             return
         inf, fds = self.call(R.GET_INFLIGHT_FD, vu.Inflight(0, 0, self.nvrings, queue_size).pack(), keep_fds=True)
-        if inf.num_queues != self.nvrings or inf.queue_size != queue_size or inf.mmap_size == 0:
+        try:
+            if inf.num_queues != self.nvrings or inf.queue_size != queue_size or inf.mmap_size == 0 or len(fds) != 1:
+                raise ProtocolError(f"backend at {self.path} answered GET_INFLIGHT_FD with {inf}")
+            if not seal_shrink(fds[0], "inflight area"):
+                inf, fds[0] = self._sealed_copy(inf, fds[0])
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            raise ProtocolError(f"backend at {self.path} answered GET_INFLIGHT_FD with {inf}")
+            raise
         self.inflight = (inf, fds[0])
+
+    def _sealed_copy(self, inf, fd):
+        """An area its backend did not let us seal (DPDK: a memfd without MFD_ALLOW_SEALING) is copied, still
+        untouched, into a size-sealed memfd of ours: that is what every backend gets from then on (a successor
+        rightly refuses an area that can shrink under its mapping). Returns (vu.Inflight, fd); closes ``fd``."""
+        data = os.pread(fd, inf.mmap_size, inf.mmap_offset)
+        if len(data) != inf.mmap_size:
+            raise ProtocolError(f"backend at {self.path}: its inflight area holds {len(data):#x} bytes at offset "
+                                f"{inf.mmap_offset:#x}, not the {inf.mmap_size:#x} it announced")
+        try:
+            shm = ShmRegion.create_sealed(inf.mmap_size, name="vring-inflight")
+        except ShmError as e:
+            raise ProtocolError(f"cannot copy the inflight area: {e}") from None
+        try:
+            shm.buf[:len(data)] = data
+            copy = os.dup(shm.fileno())
+        finally:
+            shm.close()
+        os.close(fd)
+        return vu.Inflight(inf.mmap_size, 0, inf.num_queues, inf.queue_size), copy
+
+    def drop_inflight(self):
+        """Forget the area: the next backend that tracks gets a fresh one (GET_INFLIGHT_FD)."""
+        if self.inflight is not None:
+            os.close(self.inflight[1])
+            self.inflight = None
 
     def set_inflight(self):
         """SET_INFLIGHT_FD with the kept area, to every backend that negotiated INFLIGHT_SHMFD."""
@@ -206,6 +241,8 @@ class VhostUserFrontend:
         """SET_MEM_TABLE, SET_INFLIGHT_FD (if negotiated), the vrings (Rx then Tx) at ``bases`` (default: fresh
         rings), enable them, DRIVER_OK."""
         self.set_mem_table(mem)
+        if not self.has_inflight:   # this backend will not keep the area: it no longer says what is in flight
+            self.drop_inflight()
         self.set_inflight()
         for i in range(self.nvrings):
             self.setup_vring(i, layouts[i], None if bases is None else bases[i])
@@ -238,9 +275,7 @@ class VhostUserFrontend:
 
     def close(self):
         self.disconnect()
-        if self.inflight is not None:
-            os.close(self.inflight[1])
-            self.inflight = None
+        self.drop_inflight()
         for fds in (self.kickfds, self.callfds):
             for i, fd in enumerate(fds):
                 if fd is not None:

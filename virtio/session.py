@@ -151,7 +151,9 @@ class Session:
                 if len(idx) == 0:
                     break
                 held.append((idx.copy(), lens.copy()))
-            if nq.fmt == "packed" and not self.fe.has_inflight:   # see DriverQueue.reset
+            # see DriverQueue.reset; an area no backend kept since the last one (dropped by frontend.start) is
+            # fresh and holds no copies of the chains in flight either
+            if nq.fmt == "packed" and not (self.fe.has_inflight and self.fe.inflight is not None):
                 again = nq.reset_rings()   # after a failed start: nothing of ours was sent to the fresh rings
                 resend = again if resend is None else (np.concatenate((resend[0], again[0])),
                                                        np.concatenate((resend[1], again[1])), resend[2] + again[2])

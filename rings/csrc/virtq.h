@@ -44,6 +44,7 @@ enum {
     VQ_ERR_USED_IDX_JUMP = 15,
     VQ_ERR_SLOT_IN_FLIGHT = 16,
     VQ_ERR_BASE_OUT_OF_RANGE = 17,
+    VQ_ERR_INFLIGHT_MISMATCH = 18,   /* vhost inflight tracking made for another ring format or size */
     VQ_USAGE_NOT_IN_FLIGHT = 100, /* local API misuse, not a ring error */
     VQ_USAGE_OUT_OF_ORDER = 101,
     VQ_USAGE_SHADOW_FULL = 102,

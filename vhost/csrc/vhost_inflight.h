@@ -134,8 +134,20 @@ static inline int vhi_replay(struct vh_inflight *f, struct vq_device *q, struct 
     return 0;
 }
 
+/* The region and its private arrays are laid out for f's format and size; the ring may be another (a frontend
+ * that changed features after SET_INFLIGHT_FD): never read one through the other. */
+static inline int vhi_matches(struct vq_device *q, const struct vh_inflight *f)
+{
+    if (f->packed == q->packed && f->size == q->size)
+        return 1;
+    vq_dev_fail(q, VQ_ERR_INFLIGHT_MISMATCH, f->packed, f->size);
+    return 0;
+}
+
 VHI_TRACKED int vhi_poll_tracked(struct vq_device *q, struct vq_chains *c, uint32_t max, struct vh_inflight *f)
 {
+    if (!vhi_matches(q, f))
+        return -1;
     if (f->resubmit_pos < f->nresubmit) {
         if (vhi_replay(f, q, c, max) < 0)
             return -1;
@@ -166,7 +178,7 @@ VHI_HOOK int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, st
 VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
 {
     uint32_t n = q->shadow_count;
-    if (n == 0)
+    if (n == 0 || !vhi_matches(q, f))
         return;
     if (f->packed) {
         struct vhi_region_packed *r = (struct vhi_region_packed *)f->region;
