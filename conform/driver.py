@@ -1116,8 +1116,9 @@ class DriverHarness:
                 if not self._serve_one(0 if s is not None else 0.05):
                     if self.t_first is None:
                         r.error = "PeerGone: the driver closed the connection before it sent anything back"
-                    else:
-                        r.notes.append(f"the driver closed the connection after {now - self.t_first:.1f} s")
+                    else:   # README: a run that ended early (the peer left) is no pass
+                        r.error = (f"PeerGone: the driver closed the connection {now - self.t_first:.1f} s into the "
+                                   f"{o.seconds:g} s run (phase {self.phase})")
                     if self.session is not None:
                         self.stop_session("the driver left")
                     break
@@ -1186,7 +1187,9 @@ class DriverHarness:
         r.scenarios = [p for p in self.phase_log if p["name"] != "drain"]
         if self.dev is not None and self.dev.features_set:
             for rid in IDS:
-                why = self._why_not(rid, self.dev.features) if r.status(rid) == "not exercised" else ""
+                if r.status(rid) != "not exercised":
+                    continue
+                why = self._why_not(rid, self.dev.features) or ("the run ended early" if r.error else "")
                 if why:
                     r.set_note(rid, why)
         r.context["traffic"] = (f"{self.seq} frames delivered, {self.returned} came back, {self.lost} lost, "

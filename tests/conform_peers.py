@@ -2,7 +2,7 @@
 
 * ``FaultyDevice``: a vhost-user backend built from the conform device harness (conform/driver.py) whose
   sessions complete Tx buffers wrongly: ``reorder`` (IN_ORDER negotiated, used entries written last buffer
-  first, one per buffer) or ``double`` (a second used entry for a buffer already used). It produces no Rx
+  first, one per buffer), ``reorder-apart`` (the same, each entry published on its own, 1 ms apart) or ``double`` (a second used entry for a buffer already used). It produces no Rx
   traffic (population 0), so `vring conform device` checks its Tx side only.
 * ``FaultyDriver``: a forwarding frontend (vhost.testing.ScriptedFrontend) whose Tx queue breaks a driver
   rule: ``reoffer`` (a head that is in flight is put in the avail ring again, in the same publication) or
@@ -26,7 +26,9 @@
   overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8
   bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02), ``rx-skip``
   (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
-  of the buffer that holds the frame: INORDER-10), on split rings ``len-late`` (used entries published with the
+  of the buffer that holds the frame: INORDER-10), ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets,
+  every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12), on split
+  rings ``len-late`` (used entries published with the
   id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
   buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
@@ -69,6 +71,18 @@ class _ReorderSession(Session):
         if q.index == TX:
             ids, lens = ids[::-1], lens[::-1]
         super().flush(q, ids, lens, batch)
+
+
+class _ReorderApartSession(_ReorderSession):
+    """As _ReorderSession, but each used entry in a publication of its own, 1 ms apart: the harness first sees
+    one entry naming a buffer used idx does not reach in avail order (a short batch, or out of order?)."""
+
+    def flush(self, q, ids, lens, batch):
+        if q.index != TX or len(ids) < 2:
+            return super().flush(q, ids, lens, batch)
+        for k in range(len(ids) - 1, -1, -1):
+            Session.flush(self, q, ids[k:k + 1], lens[k:k + 1], batch)
+            time.sleep(0.001)
 
 
 class _DoubleSession(Session):
@@ -120,7 +134,8 @@ class FaultyDevice:
     """A backend listening on ``sock`` (in a thread) that completes Tx buffers with ``fault`` (``patient``:
     correctly, see PatientSession; ``phases`` and ``population`` as ``conform driver``'s)."""
 
-    SESSIONS = {"reorder": _ReorderSession, "double": _DoubleSession, "patient": PatientSession}
+    SESSIONS = {"reorder": _ReorderSession, "reorder-apart": _ReorderApartSession, "double": _DoubleSession,
+                "patient": PatientSession}
 
     def __init__(self, sock, fault, phases=("batches",), population=0, seconds=60):
         harness = DriverHarness(DriverOptions(socket=sock, seconds=seconds, wait=20, population=population,
@@ -244,7 +259,8 @@ class _LoopQueues:
         self.q, self.views = [], []
         for i, v in enumerate(dev.vrings):
             layout = dev._layout(v, v.addr)
-            q = DeviceQueue(dev.cmem, layout, dev.features, in_order_batch=fault == "rx-skip" and i == RX)
+            q = DeviceQueue(dev.cmem, layout, dev.features,
+                            in_order_batch=fault in ("rx-skip", "rx-batch-len+1") and i == RX)
             q.set_base(v.base)
             self.q.append(q)
             self.views.append(view_for(dev.mem, layout))
@@ -449,6 +465,9 @@ class _LoopQueues:
                 off += part
                 left -= part
         rx = self.q[RX]
+        if self.fault == "rx-batch-len+1" and len(ids) > 1 and lens[-1] < bufs[-1][2]:
+            lens[-1] += 1   # the batch entry (the last buffer's): one byte more than was written
+            self.faults += 1
         if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor
             self.views[RX].desc["len"][ids] = lens
             self.faults += 1

@@ -163,6 +163,41 @@ def test_conform_device_inorder_02_catches_out_of_order_use(tmp_path, packed):
     assert any("was used after buffer" in e or "inside an in-order batch" in e for e in f["INORDER-02"]), f
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_conform_device_inorder_02_catches_out_of_order_use_published_one_entry_at_a_time(tmp_path, seed):
+    """Found by attack43: split, IN_ORDER, used entries last buffer first, each published on its own. The harness
+    read the first entry (a buffer beyond what used idx covers in avail order) as a short batch and stopped:
+    INORDER-07, or INORDER-02, depending on timing. The entry after it now tells which: INORDER-02, every run."""
+    sock = str(tmp_path / "bad.sock")
+    dev = FaultyDevice(sock, "reorder-apart")
+    wait_socket(sock, None)
+    rc, rep, err = conform("device", "--socket", sock, "--ring-size", "32", "--in-order", "--split",
+                           "--scenarios", "batches", "--rx-wait", "0.2", "--seed", str(seed))
+    assert dev.join() and dev.error is None, dev.error
+    assert rc == 1, (rc, err)
+    f = failed(rep)
+    assert "INORDER-02" in f and "INORDER-07" not in f, f
+    assert "buffers used out of order" in f["INORDER-02"][0], f
+
+
+def test_conform_driver_that_leaves_early_is_no_pass(tmp_path):
+    """Found by attack43: a driver that closed the connection half a second into a 4 s run got exit 0 (only a
+    note said so), though the phases after it never ran. It is an early end (exit 2, PeerGone), and the rows
+    it left unexercised say why."""
+    sock = str(tmp_path / "drv.sock")
+    harness = start_conform_driver(sock, "--seconds", "4")
+    wait_socket(sock, harness)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    drv = subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--mode", "macfwd",
+                            "--seconds", "0.5", "--drain", "0"], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    rc, rep, err = finish(harness)
+    drv.wait(30)
+    assert rc == 2 and rep["error"].startswith("PeerGone: the driver closed the connection"), (rc, rep, err)
+    r = rows(rep)
+    assert r["INORDER-06"]["status"] == "not exercised" and "the run ended early" in r["INORDER-06"]["note"], r
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
 def test_conform_device_split_v_15_catches_double_completion(tmp_path, packed):
     """A backend that writes a second used entry for a buffer it already used."""
@@ -428,6 +463,18 @@ def test_conform_device_inorder_10_catches_skipped_rx_buffer_never_written(tmp_p
     assert set(f) == {"INORDER-10"}, f
     assert "was skipped by the in-order batch entry for buffer" in f["INORDER-10"][0], f
     assert "the device wrote none of them" in f["INORDER-10"][0], f
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_device_split_v_11_packed_v_12_blame_a_batch_entry_len_not_the_skipped_buffers(tmp_path, packed):
+    """Found by attack43: IN_ORDER Rx batches of merged packets whose skipped buffers were written whole and
+    right, and whose batch entry's len is one byte too long, failed INORDER-10 ("skipped by an in-order batch")
+    every time, and the used-len row only by chance. Bytes that all match the frame put the blame on the len."""
+    rep, f = run_loop_device(tmp_path, "rx-batch-len+1", "--in-order", "--mrg-rxbuf", "--scenarios", "mergeable",
+                             packed=packed)
+    row = "PACKED-V-12" if packed else "SPLIT-V-11"
+    assert row in f and "INORDER-10" not in f, f
+    assert rows(rep)["INORDER-10"]["status"] == "pass", rows(rep)["INORDER-10"]
 
 
 def test_conform_device_split_v_08_catches_used_len_set_after_used_idx(tmp_path):
