@@ -47,7 +47,7 @@ from rings.virtq import DriverQueue
 from virtio.frontend import ACKNOWLEDGE, DRIVER, DRIVER_OK, FEATURES_OK, VhostUserFrontend, want_features
 
 from . import frames
-from .report import Report
+from .report import Report, check_seconds
 from .ringview import used_bits, view_for
 
 R = vu.VhostUserRequest
@@ -122,6 +122,7 @@ class DeviceOptions:
 
     def __post_init__(self):
         QueueLayout.bytes_needed("packed" if self.packed else "split", self.ring_size)   # checks the size
+        check_seconds(timeout=self.timeout, stall=self.stall, rx_wait=self.rx_wait)
         if self.layout not in ("spread", "contiguous"):
             raise ConfigError(f"layout must be spread or contiguous, not {self.layout!r}")
         bad = [s for s in self.scenarios if s not in SCENARIOS]

@@ -47,7 +47,7 @@ from rings.virtq import DeviceQueue
 from vhost.device import STATUS_DRIVER_OK, NetDevice, Refused
 
 from . import frames
-from .report import Report
+from .report import Report, check_seconds
 from .ringview import Malformed, avail_bits_ok, view_for
 
 R = vu.VhostUserRequest
@@ -109,8 +109,7 @@ class DriverOptions:
     phases: tuple = PHASES
 
     def __post_init__(self):
-        if self.seconds <= 0:
-            raise ConfigError(f"seconds must be positive, not {self.seconds}")
+        check_seconds(seconds=self.seconds, wait=self.wait, timeout=self.timeout)
         bad = [p for p in self.phases if p not in PHASES]
         if bad:
             raise ConfigError(f"unknown phase(s) {bad}; known: {', '.join(PHASES)}")
@@ -514,6 +513,7 @@ class DriverHarness:
         self.first_session = True
         self.conn = None
         self.listener = None
+        self._listener_ino = None   # its socket file's inode: removed at the end only if still that one
         self.dev = None
         self.seq = 0
         self.delivered: dict[int, Delivery] = {}
@@ -603,6 +603,7 @@ class DriverHarness:
                     time.sleep(0.2)
         else:
             self.listener = vu.listen_unix(o.socket)
+            self._listener_ino = os.lstat(o.socket).st_ino
             self.conn = vu.accept_unix(self.listener, timeout=o.wait)
         self.dev = ConformDevice(self, self.offered, OFFERED_PROTOCOL)
         self.report.context["peer"] = f"{o.socket} ({'we connect' if o.client else 'we listen'})"
@@ -1200,9 +1201,6 @@ class DriverHarness:
             self.conn.close()
         if self.dev is not None:
             self.dev.close()
-        if self.listener is not None:
-            self.listener.close()
-            try:
-                os.unlink(self.o.socket)
-            except OSError:
-                pass
+        if self.listener is not None:   # the file, if it is still ours (not one somebody bound since)
+            vu.close_listener(self.listener, self.o.socket, self._listener_ino)
+            self.listener = None

@@ -7,6 +7,9 @@ harnesses can observe, with a short statement of each (the checklist has the spe
 from __future__ import annotations
 
 import json
+import math
+
+from rings.errors import ConfigError
 
 MAX_EVIDENCE = 5     # evidence lines kept per ID (the count of observations is kept in full)
 
@@ -168,6 +171,18 @@ class Result:
         if self.note:
             d["note"] = self.note
         return d
+
+
+MAX_SECONDS = 86400.0   # a day: more is no test run (and socket timeouts overflow long before inf)
+
+
+def check_seconds(**durations):
+    """ConfigError unless every duration is a finite number of seconds in (0, MAX_SECONDS] (NaN would turn a
+    timeout or the stall detector off)."""
+    for name, v in durations.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and 0 < v <= MAX_SECONDS):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a number of seconds in (0, {MAX_SECONDS:g}], "
+                              f"not {v}")
 
 
 class Report:

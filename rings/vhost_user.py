@@ -40,6 +40,7 @@ A backend's loop, in the shape DPDK's ``vhost_user_msg_handler`` has::
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
@@ -987,8 +988,24 @@ def socket_is_live(path, timeout: float = 1.0) -> bool:
 def listen_unix(path, backlog: int = 1) -> socket.socket:
     """A listening AF_UNIX stream socket at ``path`` with mode 0600 (set before ``listen``, so nobody can connect
     earlier). A live server at ``path`` is never taken over (ConfigError); a stale socket file is replaced;
-    any other file there is a ConfigError."""
+    any other file there is a ConfigError. Check, replace and bind hold an flock on the socket's directory:
+    two of us starting on one stale path at once could otherwise both find it stale, and the second unlink the
+    first one's fresh socket (which then listens where nobody can reach it)."""
     path = os.fspath(path)
+    try:
+        dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        dfd = None   # a directory we may not read: bind reports what is wrong with it
+    try:
+        if dfd is not None:
+            fcntl.flock(dfd, fcntl.LOCK_EX)
+        return _listen_unix_locked(path, backlog)
+    finally:
+        if dfd is not None:
+            os.close(dfd)   # (releases the lock)
+
+
+def _listen_unix_locked(path, backlog):
     try:
         st = os.lstat(path)
     except FileNotFoundError:

@@ -187,11 +187,23 @@ def format_line(rec):
     return line
 
 
+MAX_RECORD = 1 << 20   # bytes: a record is one message (at most a few KiB of payload, as text); a longer line
+#                        ends the decoding (a file of no newlines, sparse or not, would otherwise be read whole)
+
+
 def decode_file(path, out):
-    """Print a --log file readably. Returns the number of lines that were not log records."""
+    """Print a --log file readably. Returns the number of lines that were not log records. Only a regular file is
+    read (opened non-blocking: a FIFO without a writer cannot hang us, nor /dev/zero fill memory): OSError."""
     bad = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file")
+    with open(fd, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(iter(lambda: f.readline(MAX_RECORD + 1), ""), 1):
+            if len(line) > MAX_RECORD:
+                print(f"line {n}: longer than {MAX_RECORD} bytes: not a tap log; decoding stopped", file=out)
+                return bad + 1
             line = line.strip()
             if not line:
                 continue

@@ -6,6 +6,7 @@ Exit status: 0 all exercised requirements hold, 1 a requirement failed, 2 usage 
 run that ended early: the peer left, stopped answering or stalled).
 """
 import argparse
+import signal
 import sys
 
 from rings.errors import VringError
@@ -92,6 +93,15 @@ def _emit(args, report):
     return report.exit_code()
 
 
+def _interrupt(signum, _frame):
+    raise KeyboardInterrupt   # SIGTERM / SIGHUP end the run as Ctrl-C does: the socket and rings cleaned up
+
+
+def _signals():
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+
 def _fail(e):
     print(f"vring conform: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
@@ -109,6 +119,7 @@ def _ended(args, e, report):
 
 
 def run_device(args):
+    _signals()
     from conform.device import SCENARIOS, DeviceHarness, DeviceOptions
     try:
         opts = DeviceOptions(socket=args.socket, packed=args.packed, in_order=args.in_order,
@@ -127,6 +138,7 @@ def run_device(args):
 
 
 def run_driver(args):
+    _signals()
     from conform.driver import DriverHarness, DriverOptions
     try:
         opts = DriverOptions(socket=args.socket, client=args.client, seconds=args.seconds, wait=args.wait,

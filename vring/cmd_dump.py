@@ -15,6 +15,7 @@ which nothing moved, to say "for T s"); --raw FILE also saves the raw snapshot (
 """
 import argparse
 import json
+import math
 import mmap
 import os
 import sys
@@ -63,8 +64,20 @@ def register(sub):
     p.set_defaults(run=run)
 
 
+def _check_args(args):
+    """Usage errors before any source is opened (ValueError)."""
+    for opt, value in (("--shm", args.shm), ("--ctl", args.ctl), ("--from", args.from_file)):
+        if value is not None and not value:
+            raise ValueError(f"{opt} needs a non-empty value")
+    if args.watch is not None and not (math.isfinite(args.watch) and 0 < args.watch <= 86400):
+        raise ValueError(f"--watch must be a number of seconds in (0, 86400], not {args.watch}")
+    if args.count < 0:
+        raise ValueError(f"--count must be >= 0 (0: no limit), not {args.count}")
+
+
 def run(args):
     try:
+        _check_args(args)
         if args.diff:
             return _diff(args)
         source = _source(args)
@@ -72,6 +85,9 @@ def run(args):
             return _loop(args, source)
         finally:
             source.close()
+    except BrokenPipeError:   # `vring dump ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit's flush)
+        return 0
     except (VringError, OSError, ValueError) as e:  # one line, exit status 1 (damaged files included)
         raise SystemExit("vring dump: " + " ".join(str(e).split()))
 

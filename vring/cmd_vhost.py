@@ -83,6 +83,8 @@ def run(args):
                                   ("--crash-after", args.crash_after, False)):
         if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
             return _error(f"{name} must be a number {'>' if positive else '>='} 0, not {value}")
+    if args.slice_us > 10_000_000:   # the C loop takes it in ns, a uint64; the control socket waits a slice
+        return _error(f"--slice-us must be at most 10000000 (10 s), not {args.slice_us}")
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
         return _error(f"--max-connections must be >= 1, not {args.max_connections}")
     pcap = None
@@ -132,7 +134,8 @@ def run(args):
         if pcap is not None:
             pcap.close()
             print(f"vring vhost: pcap {pcap.path}: {pcap.written} frames" +
-                  (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else ""), file=sys.stderr)
+                  (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else "") +
+                  (f"; capture stopped: {pcap.error}" if pcap.error else ""), file=sys.stderr)
     return 0
 
 

@@ -1,0 +1,205 @@
+"""Wrong input and signals at the command line (found by attack43): every one ends in one line and the documented
+exit status, nothing left behind, no traceback.
+
+* `vring tap --decode` reads only regular files (a FIFO hung it, /dev/zero filled memory) and stops at a line
+  no tap log has (a sparse file of no newlines was read into one string);
+* `vring conform` refuses durations that are not finite and positive (NaN turned the stall detector off, inf
+  and -1 were tracebacks from settimeout);
+* `vring dump` checks its arguments before the first sample (an empty --ctl/--shm was a TypeError, --watch inf
+  an OverflowError after one sample), and `| head` is no error;
+* `vring vhost --slice-us` has an upper bound (past 2^64 ns every frontend was dropped as an internal error),
+  and a --pcap file that fails (disk full) ends the capture, not the connection or the exit status;
+* `rings.vhost_user.listen_unix`: two servers starting on one stale path never both listen (the second used to
+  unlink the first one's fresh socket);
+* `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left).
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rings import rawdump
+from rings.errors import ConfigError
+from rings.layout import QueueLayout
+from rings.shm import MemoryTable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _vring(*args, timeout=60, **kw):
+    return subprocess.run([sys.executable, "-m", "vring.cli", *args], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=timeout, **kw)
+
+
+def _one_line(p, rc, start):
+    assert p.returncode == rc, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr and p.stderr.count("\n") <= 1 and p.stderr.startswith(start), p.stderr
+
+
+def test_tap_decode_reads_regular_files_only_and_stops_at_an_endless_line(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in ("/dev/zero", str(fifo), str(tmp_path)):
+        p = _vring("tap", "--decode", path, timeout=20)
+        assert p.returncode == 1 and "not a regular file" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr, p.stderr
+    sparse = tmp_path / "sparse.log"
+    with open(sparse, "wb") as f:
+        f.truncate(1 << 34)   # 16 GiB of holes: no newline anywhere
+    p = _vring("tap", "--decode", str(sparse), timeout=60,
+               preexec_fn=lambda: __import__("resource").setrlimit(__import__("resource").RLIMIT_AS,
+                                                                   (2 << 30, 2 << 30)))
+    assert p.returncode == 1 and p.stdout.startswith("line 1: longer than") and "decoding stopped" in p.stdout, p
+    assert "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["driver", "--wait", "nan"], ["driver", "--wait", "-1"], ["driver", "--timeout", "inf"],
+    ["driver", "--seconds", "nan"], ["device", "--timeout", "nan"], ["device", "--stall", "nan"],
+    ["device", "--stall", "inf"], ["device", "--rx-wait", "-1"]], ids=" ".join)
+def test_conform_refuses_durations_that_are_not_finite_and_positive(tmp_path, args):
+    p = _vring("conform", args[0], "--socket", str(tmp_path / "x.sock"), *args[1:])
+    _one_line(p, 2, f"vring conform: ConfigError: --{args[1].lstrip('-')} must be a number of seconds")
+    assert not os.path.exists(tmp_path / "x.sock")
+
+
+def _snapshot_file(tmp_path):
+    lay = QueueLayout.contiguous("split", 8, 0x1000)
+    mem = MemoryTable([(0x1000, 0x4000, bytearray(0x4000))])
+    path = tmp_path / "q.raw"
+    path.write_bytes(rawdump.capture_memory(mem, lay, 0).dumps())
+    return str(path)
+
+
+@pytest.mark.parametrize("args", [["--ctl", ""], ["--shm", "", "--fmt", "split", "--size", "8"],
+                                  ["--from", "F", "--watch", "inf"], ["--from", "F", "--watch", "-1"],
+                                  ["--from", "F", "--watch", "nan"], ["--from", "F", "--count", "-1"]], ids=" ".join)
+def test_dump_checks_its_arguments_before_the_first_sample(tmp_path, args):
+    f = _snapshot_file(tmp_path)
+    p = _vring("dump", *[f if a == "F" else a for a in args])
+    _one_line(p, 1, "vring dump: --")
+    assert p.stdout == "", p.stdout   # nothing sampled first
+
+
+def test_dump_into_a_closed_pipe_is_no_error(tmp_path):
+    f = _snapshot_file(tmp_path)
+    dump = subprocess.Popen([sys.executable, "-m", "vring.cli", "dump", "--from", f], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=_env(), cwd=ROOT)
+    dump.stdout.close()   # `| head` that read nothing
+    err = dump.stderr.read().decode()
+    assert dump.wait(30) == 0 and err == "", err
+    dump.stderr.close()
+
+
+def test_vhost_refuses_a_slice_past_what_the_c_loop_counts(tmp_path):
+    p = _vring("vhost", "--socket", str(tmp_path / "v.sock"), "--slice-us", str(10**17))
+    assert p.returncode == 2 and "--slice-us must be at most" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not os.path.exists(tmp_path / "v.sock")
+
+
+def test_pcap_file_that_fails_ends_the_capture_not_the_run(tmp_path):
+    """`vring vhost --pcap /dev/full` (a full disk): the frontend was dropped as an internal error at each burst
+    and the exit at Ctrl-C was an OSError traceback. Now the capture stops with one error line; traffic, the
+    summary and exit 0 are as without --pcap."""
+    from rings.pcap import PcapWriter
+    w = PcapWriter("/dev/full")
+    assert all(w.write(b"\x00" * 200, time.time_ns()) or w.full for _ in range(200))
+    assert w.full and "No space left" in w.error and w.left_out > 0
+    w.close()   # no second error
+    sock = str(tmp_path / "v.sock")
+    be = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--pcap", "/dev/full"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                          start_new_session=True)
+    try:
+        end = time.monotonic() + 20
+        while not os.path.exists(sock):
+            assert time.monotonic() < end and be.poll() is None, be.stderr.read() if be.poll() is not None else ""
+            time.sleep(0.02)
+        drv = _vring("driver", "--socket", sock, "--count", "64", "--seconds", "1", "--verify", timeout=60)
+        assert drv.returncode == 0, drv.stderr[-2000:]
+    finally:
+        be.send_signal(signal.SIGINT)
+        try:
+            be.wait(20)
+        finally:
+            if be.poll() is None:
+                be.kill()
+                be.wait()
+        err = be.stderr.read()
+        be.stderr.close()
+    assert be.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "internal error" not in err, err[-3000:]
+    assert "capture stopped" in err and "No space left on device" in err, err[-3000:]
+
+
+def test_two_servers_starting_on_one_stale_path_never_both_listen(tmp_path):
+    from rings import vhost_user as vu
+    path = str(tmp_path / "s.sock")
+    for _ in range(60):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)   # a stale socket file
+        s.close()
+        go_r, go_w = os.pipe()
+        kids = []
+        for _k in range(2):
+            pid = os.fork()
+            if pid == 0:   # child: listen, then see whether a connection to the path reaches our listener
+                code = 4
+                try:
+                    os.read(go_r, 1)
+                    listener = vu.listen_unix(path)
+                    time.sleep(0.05)
+                    c = socket.socket(socket.AF_UNIX)
+                    c.settimeout(0.2)
+                    try:
+                        c.connect(path)
+                    except OSError:
+                        pass
+                    listener.settimeout(0.2)
+                    try:
+                        listener.accept()
+                        code = 0       # reachable at the path
+                    except OSError:
+                        code = 3       # listening where nobody can reach it
+                except ConfigError:
+                    code = 1           # refused: the other one listens
+                finally:
+                    os._exit(code)
+            kids.append(pid)
+        os.write(go_w, b"xx")
+        codes = sorted(os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in kids)
+        os.close(go_r)
+        os.close(go_w)
+        os.unlink(path)
+        assert codes == [0, 1], codes
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+def test_conform_driver_cleans_up_on_sigterm_and_sighup(tmp_path, sig):
+    sock = str(tmp_path / "cf.sock")
+    p = subprocess.Popen([sys.executable, "-m", "vring.cli", "conform", "driver", "--socket", sock, "--wait", "20"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                         start_new_session=True)
+    try:
+        end = time.monotonic() + 20
+        while not os.path.exists(sock):
+            assert time.monotonic() < end and p.poll() is None
+            time.sleep(0.02)
+        p.send_signal(sig)
+        assert p.wait(20) == 130
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        err = p.stderr.read()
+        p.stderr.close()
+    assert "Traceback" not in err, err
+    assert not os.path.exists(sock), "the socket file was left"
