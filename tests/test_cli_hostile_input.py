@@ -8,10 +8,12 @@ exit status, nothing left behind, no traceback.
 * `vring dump` checks its arguments before the first sample (an empty --ctl/--shm was a TypeError, --watch inf
   an OverflowError after one sample), and `| head` is no error;
 * `vring vhost --slice-us` has an upper bound (past 2^64 ns every frontend was dropped as an internal error),
-  and a --pcap file that fails (disk full) ends the capture, not the connection or the exit status;
+  an empty --ctl (ignored) or one equal to --socket is refused, and a --pcap file that fails (disk full) ends the capture, not the connection or the exit status;
 * `rings.vhost_user.listen_unix`: two servers starting on one stale path never both listen (the second used to
   unlink the first one's fresh socket);
-* `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left).
+* `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left);
+* `vring driver`: Ctrl-C while a backend does not answer the set-up ends it at once (it waited out --timeout);
+* `vring tap --max-sessions 0` is refused (it served nobody and exited 0).
 """
 import os
 import signal
@@ -99,10 +101,15 @@ def test_dump_into_a_closed_pipe_is_no_error(tmp_path):
     dump.stderr.close()
 
 
-def test_vhost_refuses_a_slice_past_what_the_c_loop_counts(tmp_path):
-    p = _vring("vhost", "--socket", str(tmp_path / "v.sock"), "--slice-us", str(10**17))
-    assert p.returncode == 2 and "--slice-us must be at most" in p.stderr and "Traceback" not in p.stderr, p.stderr
-    assert not os.path.exists(tmp_path / "v.sock")
+@pytest.mark.parametrize("args,says", [(["--slice-us", str(10**17)], "--slice-us must be at most"),
+                                       (["--ctl", ""], "--ctl needs a path of its own"),
+                                       (["--ctl", "SOCK"], "--ctl needs a path of its own")],
+                         ids=["slice", "ctl-empty", "ctl-is-socket"])
+def test_vhost_refuses_a_slice_past_what_the_c_loop_counts_and_a_ctl_path_that_is_none(tmp_path, args, says):
+    sock = str(tmp_path / "v.sock")
+    p = _vring("vhost", "--socket", sock, *[sock if a == "SOCK" else a for a in args])
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not os.path.exists(sock)
 
 
 def test_pcap_file_that_fails_ends_the_capture_not_the_run(tmp_path):
@@ -203,3 +210,39 @@ def test_conform_driver_cleans_up_on_sigterm_and_sighup(tmp_path, sig):
         p.stderr.close()
     assert "Traceback" not in err, err
     assert not os.path.exists(sock), "the socket file was left"
+
+
+def test_driver_ctrl_c_while_a_backend_does_not_answer_ends_it_at_once(tmp_path):
+    """The driver's handler only set a flag, and the wait for a reply (PEP 475) went on to --timeout (20 s here)
+    and ended in ProtocolTimeout. While the rings are being set up a signal now interrupts at once (exit 130)."""
+    sock = str(tmp_path / "silent.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(sock)
+    listener.listen(1)
+    drv = subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--timeout", "20"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                           start_new_session=True)
+    try:
+        listener.settimeout(20)
+        _conn, _ = listener.accept()   # and never answers
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        drv.send_signal(signal.SIGINT)
+        assert drv.wait(10) == 130
+        assert time.monotonic() - t0 < 3
+    finally:
+        if drv.poll() is None:
+            drv.kill()
+            drv.wait()
+        err = drv.stderr.read()
+        drv.stderr.close()
+        listener.close()
+    assert "Traceback" not in err and "ProtocolTimeout" not in err, err
+
+
+def test_tap_refuses_to_serve_no_session(tmp_path):
+    """`--max-sessions 0` exited 0 at once, having served nobody (`vring vhost --max-connections 0` is refused)."""
+    p = _vring("tap", "--listen", str(tmp_path / "a.sock"), "--connect", str(tmp_path / "b.sock"),
+               "--max-sessions", "0")
+    _one_line(p, 1, "vring tap: --max-sessions must be >= 1")
+    assert not os.path.exists(tmp_path / "a.sock")

@@ -338,7 +338,7 @@ def test_pcap_writer_limit_and_format(tmp_path):
     assert w.write(b"\x01" * 60, t) and w.write(b"\x02" * 60, t + 1000)
     assert not w.write(b"\x03" * 60, t) and w.full
     w.close()
-    assert w.stats() == {"path": str(tmp_path / "x.pcap"), "written": 2, "limit": 2, "left_out": 1}
+    assert w.stats() == {"path": str(tmp_path / "x.pcap"), "written": 2, "limit": 2, "left_out": 1, "error": None}
     got = frames(tmp_path / "x.pcap")
     assert [buf[:1] for _, buf in got] == [b"\x01", b"\x02"]
     assert got[0][0] == pytest.approx(1_700_000_000.999999, abs=1e-6)

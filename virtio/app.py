@@ -139,18 +139,23 @@ def _eventfd_count(fd):
 
 class _Stop:
     """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
-    --wait sleep through a wakeup pipe), a second one cuts the drain short."""
+    --wait sleep through a wakeup pipe), a second one cuts the drain short. While the rings are being set up
+    (``setup``) it raises KeyboardInterrupt at once: a backend that does not answer would otherwise hold the
+    signal until the message's timeout (PEP 475 resumes the wait after a handler that returns)."""
 
     def __init__(self):
         self.flag = False
         self.count = 0
         self.when = None
         self.signum = None
+        self.setup = True
 
     def __call__(self, signum=None, _frame=None):
         self.count += 1
         if not self.flag:
             self.flag, self.when, self.signum = True, time.monotonic(), signum
+        if self.setup:
+            raise KeyboardInterrupt
 
 
 class _SignalWakeup:
@@ -216,6 +221,7 @@ def run(cfg: DriverConfig, on_ready=None):
             on_ready()
         if cfg.pcap:
             pcap = PcapWriter(cfg.pcap, cfg.pcap_count or None)
+        stop.setup = False   # from here a signal ends the run with its report
         loop = _Loop(cfg, nq, stop, sess, pcap, wakeup)
         t0 = error = None
         try:
@@ -251,6 +257,7 @@ def run(cfg: DriverConfig, on_ready=None):
             raise error
         return result
     finally:
+        stop.setup = False   # a signal during the clean-up must not cut it short
         for s, h in old.items():
             signal.signal(s, h)
         wakeup.close()

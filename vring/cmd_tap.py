@@ -64,6 +64,8 @@ def run(args):
                          "side (--connect B or --backend-listen B)")
     if args.pcap_count < 0:
         raise SystemExit("vring tap: --pcap-count must be >= 0")
+    if args.max_sessions is not None and args.max_sessions < 1:   # 0: would serve nobody and exit 0
+        raise SystemExit(f"vring tap: --max-sessions must be >= 1, not {args.max_sessions}")
     import logging
 
     from rings.pcap import PcapWriter
