@@ -236,6 +236,9 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
             msg = c.recv()
             if msg != "ready":
                 raise AccountingError(f"child failed to start: {msg}")
+        # both have it mapped: the name can go (the memory lives while mapped), so that not even a SIGKILL of
+        # this process leaves the segment in /dev/shm
+        s.region.unlink()
         for c in conns:
             c.send("go")
         results = [c.recv() if c.poll(deadline + 30) else dict(ok=False, error="did not finish")

@@ -181,11 +181,23 @@ def test_bench_sighup_stops_children_and_cleans_up(tmp_path, pair):
 
 # --------------------------------------------------------------------------------------------- 2. demo
 
+def _workers(pid):
+    out = []
+    for c in _children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
+
+
 def _start_demo(tmp_path):
     proc = _start(["demo", "--count", "50000000"], tmp_path)
-    # the segment exists and both workers run (plus multiprocessing's resource tracker)
-    _wait_until(lambda: glob.glob(f"/dev/shm/vring-pair-{proc.pid}-*") and len(_children(proc.pid)) >= 2, 60, proc)
-    time.sleep(0.5)
+    # both workers started (the parent also has multiprocessing's resource tracker), and a moment to get going
+    _wait_until(lambda: len(_workers(proc.pid)) >= 2, 60, proc)
+    time.sleep(1.5)
     return proc
 
 
@@ -207,6 +219,23 @@ def test_demo_signal_stops_children_and_unlinks_shm(tmp_path, sig):
         assert b"Traceback" not in err
         assert took < 4.0, f"{took:.1f} s to stop after {sig}"
         assert not _still_running(kids)
+        assert not _shm_of([proc.pid, *kids])
+    finally:
+        if proc is not None:
+            _reap(proc, kids)
+
+
+def test_demo_sigkill_leaves_no_workers_and_no_shm(tmp_path):
+    """Even a SIGKILL of `vring demo` (no handler can run) leaves nothing: the workers notice their parent is gone
+    and stop, and the segment's name was removed as soon as both had it mapped."""
+    proc, kids = None, []
+    try:
+        proc = _start_demo(tmp_path)
+        kids = _descendants(proc.pid)
+        assert len(_workers(proc.pid)) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert not _still_running(kids, grace=5.0)
         assert not _shm_of([proc.pid, *kids])
     finally:
         if proc is not None:
