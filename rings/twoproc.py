@@ -6,6 +6,7 @@ Used by `vring demo`, the two-process tests and benchmarks/ring_ops.py.
 """
 import multiprocessing as mp
 import os
+import signal
 import time
 
 import numpy as np
@@ -183,7 +184,7 @@ def run_one_process(fmt, size, in_order, count, burst=32, batch=True, impl="c", 
         s.close()
 
 
-def _child(role, params, impl, count, burst, batch, deadline, cpu, check, conn):
+def _child(role, params, impl, count, burst, batch, deadline, cpu, check, conn, parent=None):
     try:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
@@ -193,9 +194,14 @@ def _child(role, params, impl, count, burst, batch, deadline, cpu, check, conn):
         conn.send("ready")
         conn.recv()  # start together
         t0 = time.perf_counter()
+        steps = 0
         while not side.step():
-            if time.perf_counter() - t0 > deadline:
-                raise AccountingError(f"{role} stalled at {side.done}/{count} after {deadline}s")
+            steps += 1
+            if steps & 0xFFF == 0:   # every 4096 steps: the deadline, and whether the parent is still there
+                if time.perf_counter() - t0 > deadline:
+                    raise AccountingError(f"{role} stalled at {side.done}/{count} after {deadline}s")
+                if parent is not None and os.getppid() != parent:
+                    raise AccountingError(f"{role}: the parent process is gone")
         dt = time.perf_counter() - t0
         accounted = side.accounted()
         complete = side.done >= count if accounted is None else accounted == count
@@ -210,15 +216,17 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
     """A driver process and a device process over one shared region. Returns a stats dict (as
     run_one_process's: ``returned`` and ``seen`` counted by each process)."""
     ctx = mp.get_context("spawn")
-    s = Setup(fmt, size, in_order)
+    s = None
     procs, conns = [], []
+    finished = False
     try:
+        s = Setup(fmt, size, in_order)
         if cpus is None and len(os.sched_getaffinity(0)) >= 2:
             cpus = sorted(os.sched_getaffinity(0))[:2]
         for i, role in enumerate(("driver", "device")):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_child, args=(role, s.params(), impl, count, burst, batch, deadline,
-                                                 cpus[i] if cpus else None, check, child))
+                                                 cpus[i] if cpus else None, check, child, os.getpid()))
             p.start()
             procs.append(p)
             conns.append(parent)
@@ -228,10 +236,14 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
             msg = c.recv()
             if msg != "ready":
                 raise AccountingError(f"child failed to start: {msg}")
+        # both have it mapped: the name can go (the memory lives while mapped), so that not even a SIGKILL of
+        # this process leaves the segment in /dev/shm
+        s.region.unlink()
         for c in conns:
             c.send("go")
         results = [c.recv() if c.poll(deadline + 30) else dict(ok=False, error="did not finish")
                    for c in conns]
+        finished = all(r.get("ok") for r in results)
         failed = [f"{role}: {r.get('error') or 'not every buffer accounted for'}"
                   for role, r in zip(("driver", "device"), results) if not r.get("ok")]
         if failed:
@@ -241,9 +253,31 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
         return dict(buffers=count, returned=drv["accounted"], seen=dev["accounted"], seconds=dt, rate=count / dt,
                     kicks=drv["kicks"], calls=dev["calls"])
     finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        s.close()
+        # Interrupted (Ctrl-C, or SIGTERM/SIGHUP turned into KeyboardInterrupt by the caller) or failed: the
+        # children may be busy-polling for up to ``deadline`` s, so they are stopped now rather than waited for.
+        # Signals are held back meanwhile, so that a second one cannot leave the children or the segment behind.
+        blocked = _block_signals()
+        try:
+            for p in procs:
+                if not finished and p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join(5 if finished else 2)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        finally:
+            try:
+                if s is not None:
+                    s.close()
+            finally:
+                if blocked is not None:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _block_signals():
+    """Block SIGINT, SIGTERM and SIGHUP in this thread; returns the previous mask (None where not possible)."""
+    try:
+        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    except (AttributeError, ValueError, OSError):
+        return None

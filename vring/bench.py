@@ -67,6 +67,7 @@ PAIRS = ("ours/ours", "dpdk/dpdk", "ours/dpdk", "dpdk/ours")   # driver/device
 MODES = ("poll", "notify")
 MIN_PKT, MAX_PKT, MAX_PKT_DPDK = 60, 9000, 1518
 MAX_RATE = 100e6
+MAX_SECONDS = 86400.0   # --seconds, --warmup: a day per point at most
 PCTS = ("p50", "p99", "p99.9")
 IDLE_MARK = "vring driver: idle for"   # what our driver prints when its idle interval starts
 NOISY = 0.10                           # other work on the pinned CPUs above this share: the point is flagged
@@ -200,16 +201,22 @@ class BenchConfig:
             raise ValueError(f"--ring-size must be a power of two in 8..32768, not {self.ring_size}")
         if not 1 <= self.inject <= 65536:
             raise ValueError(f"--inject must be 1..65536, not {self.inject}")
-        if not self.seconds > 0:
-            raise ValueError(f"--seconds must be > 0, not {self.seconds}")
-        if self.warmup < 0:
-            raise ValueError(f"--warmup must be >= 0, not {self.warmup}")
-        if not 0.05 <= self.interval <= self.seconds:
+        # every float: finite and in range (nan fails every comparison, so each test is written as "in range")
+        if not (math.isfinite(self.seconds) and 0 < self.seconds <= MAX_SECONDS):
+            raise ValueError(f"--seconds must be a number > 0 and <= {MAX_SECONDS:g}, not {self.seconds}")
+        if not (math.isfinite(self.warmup) and 0 <= self.warmup <= MAX_SECONDS):
+            raise ValueError(f"--warmup must be a number 0..{MAX_SECONDS:g}, not {self.warmup}")
+        if not (math.isfinite(self.interval) and 0.05 <= self.interval <= self.seconds):
             raise ValueError(f"--interval must be 0.05..--seconds ({self.seconds}), not {self.interval}")
         if not 1 <= self.repeat <= 1000:
             raise ValueError(f"--repeat must be 1..1000, not {self.repeat}")
-        if not 0 <= self.idle_first <= 600:
+        if not (math.isfinite(self.idle_first) and 0 <= self.idle_first <= 600):
             raise ValueError(f"--idle must be 0..600 seconds, not {self.idle_first}")
+        for r in self.rates:
+            if not (math.isfinite(r) and 1 <= r <= MAX_RATE):
+                raise ValueError(f"rate {r:g} out of range 1..{MAX_RATE:g} frames per second")
+        if not (math.isfinite(self.startup_timeout) and 0 < self.startup_timeout <= 3600):
+            raise ValueError(f"startup_timeout must be 0..3600 seconds, not {self.startup_timeout}")
         if self.tx_hdr not in TX_HDR:
             raise ValueError(f"--tx-hdr must be one of {', '.join(TX_HDR)}, not {self.tx_hdr!r}")
         for m in self.modes:
@@ -477,7 +484,7 @@ class _Proc:
 
 def _block_signals():
     try:
-        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     except (AttributeError, ValueError, OSError):
         return None
 
@@ -740,7 +747,7 @@ class Measurement:
 
     def close(self):
         """Stop whatever still runs (SIGKILL if it does not stop), remove sockets, shm and the directory.
-        SIGINT/SIGTERM are held back meanwhile (a second Ctrl-C must not leave half of it undone)."""
+        SIGINT/SIGTERM/SIGHUP are held back meanwhile (a second Ctrl-C must not leave half of it undone)."""
         blocked = _block_signals()
         try:
             self._close()

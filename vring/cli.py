@@ -1,12 +1,12 @@
 """`vring` command line: one subcommand per module ``vring.cmd_<name>`` (each has ``register(sub)``)."""
-import argparse
-import importlib
 import sys
 
 SUBCOMMANDS = ["demo", "driver", "vhost", "dump", "bench", "conform", "tap"]
 
 
 def build_parser():
+    import argparse
+    import importlib
     parser = argparse.ArgumentParser(prog="vring", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
@@ -15,8 +15,10 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    # Building the parser imports every subcommand (numpy, cffi, ...): a Ctrl-C then is as quiet as one later
+    # (exit 130, no traceback), so it is inside the try too.
     try:
+        args = build_parser().parse_args(argv)
         return args.run(args) or 0
     except KeyboardInterrupt:
         return 130

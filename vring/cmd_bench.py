@@ -95,8 +95,9 @@ def register(sub):
                        f"{s.name}: {s.what.split(':')[0].split(' (')[0]}" for s in studies.STUDIES.values()))
     t = p.add_argument_group("timing")
     t.add_argument("--seconds", type=float, default=10.0, help="measured seconds per point, after the warm-up "
-                   "(default 10)")
-    t.add_argument("--warmup", type=float, default=2.0, help="seconds of samples dropped at the start (default 2)")
+                   "(default 10; at most 86400)")
+    t.add_argument("--warmup", type=float, default=2.0, help="seconds of samples dropped at the start (default 2; "
+                   "at most 86400)")
     t.add_argument("--interval", type=float, default=0.5, help="seconds per rate sample (default 0.5)")
     t.add_argument("--repeat", type=int, default=1,
                    help="measure every point N times, each with fresh processes (default 1)")
@@ -176,12 +177,25 @@ def config_from_args(args):
         why = dpdk.skip_reason()
         if why:
             raise ValueError(f"the DPDK pairs need dpdk-testpmd: {why}")
+    for option, path in (("--json", args.json if args.json != "-" else None), ("--plot", args.plot)):
+        why = None if path is None else check_output_path(option, path)
+        if why:
+            raise ValueError(why)
+    if args.json is not None and args.json != "-" and args.json == args.plot:
+        raise ValueError(f"--json and --plot both name {args.json}")
     if args.plot:
         try:
             import matplotlib  # noqa: F401 (only: is it there)
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'vring[plot]' (or pip install matplotlib)") \
                 from None
+        ext = os.path.splitext(args.plot)[1][1:].lower()
+        if ext:
+            from matplotlib.backend_bases import FigureCanvasBase
+            kinds = FigureCanvasBase.get_supported_filetypes()
+            if ext not in kinds:
+                raise ValueError(f"--plot {args.plot}: matplotlib cannot write .{ext} files "
+                                 f"(it can: {', '.join(sorted(kinds))})")
     return cfg
 
 
@@ -277,31 +291,66 @@ def run(args):
         prog.record(rec, done[0], total)
 
     import signal
-    old = signal.signal(signal.SIGTERM, _sigterm)
+    # SIGTERM and SIGHUP (the terminal closed: our children run in sessions of their own and do not get it) end
+    # the run like Ctrl-C: every process of the current measurement is stopped and its directory removed
+    old = {sig: signal.signal(sig, _sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         result = bench.run_bench(cfg, progress=progress, on_record=on_record)
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     print(bench.format_table(result))
+    failed_output = False
     if args.json:
         text = json.dumps(result, indent=1)
         if args.json == "-":
             print(text)
         else:
             tmp = args.json + ".tmp"
-            with open(tmp, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, args.json)
-            print(f"json: {args.json}", file=sys.stderr)
+            try:
+                with open(tmp, "w") as f:
+                    f.write(text + "\n")
+                os.replace(tmp, args.json)
+                print(f"json: {args.json}", file=sys.stderr)
+            except OSError as e:   # checked before the run, but the disk may fill up or the directory go
+                print(f"vring bench: cannot write --json {args.json}: {e.strerror or e}", file=sys.stderr)
+                failed_output = True
+            finally:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
     if args.plot and result["points"]:
-        bench.plot(result, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
+        try:
+            bench.plot(result, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
+        except (OSError, ValueError) as e:
+            print(f"vring bench: cannot write --plot {args.plot}: {getattr(e, 'strerror', None) or e}",
+                  file=sys.stderr)
+            failed_output = True
     if result["interrupted"]:
         print("vring bench: interrupted; the table and the JSON hold the points measured so far", file=sys.stderr)
         return 130
-    ok = not result["errors"] and all(p["loss_check_ok"] for p in result["points"])
+    ok = not result["errors"] and all(p["loss_check_ok"] for p in result["points"]) and not failed_output
     return 0 if ok else 1
 
 
 def _sigterm(*_):
     raise KeyboardInterrupt   # unwinds through every Measurement.close()
+
+
+def check_output_path(option, path):
+    """Why ``path`` cannot be written as ``option``'s output (None if it can): checked before the run, so that a
+    typo costs a usage error instead of the results of a (possibly hours-long) run."""
+    if path == "":
+        return f"{option} wants a file name, not an empty string"
+    if os.path.isdir(path):
+        return f"{option} {path}: is a directory (give a file name)"
+    parent = os.path.dirname(path) or "."
+    if not os.path.isdir(parent):
+        return f"{option} {path}: directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path}: directory {parent} is not writable"
+    if os.path.lexists(path) and not os.path.isfile(path):
+        return f"{option} {path}: exists and is not a regular file"
+    return None

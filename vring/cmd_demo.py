@@ -1,5 +1,6 @@
 """`vring demo`: a driver process and a device process move numbered buffers over each ring variant."""
 import json
+import signal
 
 from rings.errors import VringError
 from rings.twoproc import run_two_processes
@@ -17,6 +18,22 @@ def register(sub):
 def run(args):
     if args.count <= 0 or args.burst <= 0:
         raise SystemExit("vring demo: --count and --burst must be positive")
+    # SIGTERM / SIGHUP (a supervisor, a closed terminal) end the demo like Ctrl-C: the two child processes are
+    # stopped and the shared-memory segment unlinked on the way out (exit 130), instead of dying at once and
+    # leaving both behind
+    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
+def _run(args):
     results = []
     for fmt in ("split", "packed"):
         for in_order in (False, True):

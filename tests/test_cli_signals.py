@@ -1,0 +1,372 @@
+"""Signals and early errors of the `vring` command line (review attack43): SIGHUP to `vring bench`, SIGTERM /
+SIGHUP / a lone SIGINT to `vring demo`, --json/--plot paths checked before a bench runs, bench's float options
+refused when not finite or out of range, and a Ctrl-C while the parser is still being built.
+
+Every process is started in a session of its own and signalled by pid (a terminal's hangup: its process group);
+its descendants are collected before the signal and checked afterwards, and whatever survives (the defect) is
+killed by pid and its /dev/shm segments removed, so that a failing test leaves nothing behind."""
+import errno
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vring import bench, cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+def _env(tmp_path):
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), TMPDIR=str(tmp_path))
+
+
+def _start(args, tmp_path, pipes=False):
+    """`python -m vring.cli ARGS` (or any argv) in a session of its own, SIGINT at its default (a test run in the
+    background inherits it ignored, and Python then installs no KeyboardInterrupt handler). Output to files
+    (``proc.err_path``) unless ``pipes``: children that outlive it (the defects) would hold pipes open."""
+    argv = args if args[0] == sys.executable else [sys.executable, "-m", "vring.cli", *args]
+    if pipes:
+        out = err = subprocess.PIPE
+    else:
+        out, err = open(tmp_path / "out.txt", "wb"), open(tmp_path / "err.txt", "wb")
+    try:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=_env(tmp_path), stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    finally:
+        if not pipes:
+            out.close()
+            err.close()
+    proc.err_path = None if pipes else tmp_path / "err.txt"
+    return proc
+
+
+def _finish(proc, timeout):
+    """Wait for the process; its stderr (bytes)."""
+    if proc.err_path is None:
+        return proc.communicate(timeout=timeout)[1]
+    proc.wait(timeout)
+    return proc.err_path.read_bytes()
+
+
+def _children(pid):
+    out = []
+    for f in glob.glob(f"/proc/{pid}/task/*/children"):
+        try:
+            with open(f) as fh:
+                out += [int(x) for x in fh.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _descendants(pid):
+    seen, todo = [], [pid]
+    while todo:
+        for c in _children(todo.pop()):
+            if c not in seen:
+                seen.append(c)
+                todo.append(c)
+    return seen
+
+
+def _running(pid):
+    """Alive and not a zombie (an exited child that init has not reaped yet is gone for our purposes)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _still_running(pids, grace=3.0):
+    """The pids still running after up to ``grace`` s (a child may take a moment to notice its parent left)."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = [p for p in pids if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+def _shm_of(pids):
+    return [p for pid in pids for p in glob.glob(f"/dev/shm/*-{pid}-*")]
+
+
+def _reap(proc, pids):
+    """Kill what a failed test left running (by pid: ours only) and remove their shm segments."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.communicate(timeout=10) if proc.err_path is None else proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in pids:
+        if _running(p):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for path in _shm_of([proc.pid, *pids]):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _wait_until(cond, timeout, proc):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited early ({proc.returncode}): {_finish(proc, 10)[-2000:]!r}"
+        assert time.monotonic() < deadline, "timed out waiting for the process to get going"
+        time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------------------------- 1. bench: SIGHUP
+
+BENCH_SHORT = ["bench", "--pairs", "ours/ours", "--paths", "split-normal", "--warmup", "0", "--repeat", "1", "-q"]
+
+
+def _dpdk_runtime_dirs(pid):
+    from vring import dpdk
+    return glob.glob(os.path.join(dpdk._runtime_base(), f"vr{pid}x*"))
+
+
+@pytest.mark.parametrize("pair", ["ours/ours", "dpdk/dpdk"])
+def test_bench_sighup_stops_children_and_cleans_up(tmp_path, pair):
+    """The terminal closes (SIGHUP to the bench's process group): the bench's device and driver, each in its own
+    session, must be stopped and the run's directory (and testpmd's runtime directories) removed, as on
+    Ctrl-C/SIGTERM (exit 130). Before: the bench died at once and both kept busy-polling their CPUs, the directory
+    left behind."""
+    if pair != "ours/ours":
+        from vring import dpdk
+        why = dpdk.skip_reason()
+        if why:
+            pytest.skip(f"needs dpdk-testpmd: {why}")
+    args = BENCH_SHORT + ["--seconds", "30"]
+    args[args.index("--pairs") + 1] = pair
+    proc = _start(args, tmp_path)
+    kids = []
+    try:
+        # both processes up (ours: the driver's output file exists once it has been started)
+        marker = "driver.out" if pair == "ours/ours" else ""
+        _wait_until(lambda: glob.glob(str(tmp_path / "vring-bench-*" / marker)) and len(_children(proc.pid)) >= 2,
+                    60, proc)
+        time.sleep(0.5 if pair == "ours/ours" else 2.0)
+        kids = _descendants(proc.pid)
+        assert len(kids) >= 2
+        os.killpg(proc.pid, signal.SIGHUP)   # what a terminal's hangup does (the bench leads its group)
+        err = _finish(proc, 60)
+        assert proc.returncode == 130, err
+        assert b"interrupted" in err and b"Traceback" not in err
+        assert not _still_running(kids)
+        assert not glob.glob(str(tmp_path / "vring-bench-*"))
+        assert not _shm_of([proc.pid, *kids])
+        assert not _dpdk_runtime_dirs(proc.pid)
+    finally:
+        _reap(proc, kids)
+        if pair != "ours/ours":
+            import shutil
+            for d in _dpdk_runtime_dirs(proc.pid):   # only those of this bench (its pid in their prefix)
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------- 2. demo
+
+def _workers(pid):
+    out = []
+    for c in _children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(c)
+        except OSError:
+            pass
+    return out
+
+
+def _start_demo(tmp_path):
+    proc = _start(["demo", "--count", "50000000"], tmp_path)
+    # both workers started (the parent also has multiprocessing's resource tracker), and a moment to get going
+    _wait_until(lambda: len(_workers(proc.pid)) >= 2, 60, proc)
+    time.sleep(1.5)
+    return proc
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_demo_signal_stops_children_and_unlinks_shm(tmp_path, sig):
+    """SIGTERM/SIGHUP (a supervisor, a closed terminal) and a SIGINT sent to the parent alone (kill -INT, not a
+    terminal's Ctrl-C to the whole group) end `vring demo` promptly with exit 130, its two worker processes
+    stopped and its shared-memory segment unlinked. Before: SIGTERM/SIGHUP killed the parent at once, leaving the
+    segment and both workers busy-polling (up to 120 s); the lone SIGINT took ~10 s (join(5) per worker)."""
+    proc, kids = None, []
+    try:
+        proc = _start_demo(tmp_path)
+        kids = _descendants(proc.pid)
+        t0 = time.monotonic()
+        os.kill(proc.pid, getattr(signal, sig))
+        err = _finish(proc, 30)
+        took = time.monotonic() - t0
+        assert proc.returncode == 130, err
+        assert b"Traceback" not in err
+        assert took < 4.0, f"{took:.1f} s to stop after {sig}"
+        assert not _still_running(kids)
+        assert not _shm_of([proc.pid, *kids])
+    finally:
+        if proc is not None:
+            _reap(proc, kids)
+
+
+def test_demo_sigkill_leaves_no_workers_and_no_shm(tmp_path):
+    """Even a SIGKILL of `vring demo` (no handler can run) leaves nothing: the workers notice their parent is gone
+    and stop, and the segment's name was removed as soon as both had it mapped."""
+    proc, kids = None, []
+    try:
+        proc = _start_demo(tmp_path)
+        kids = _descendants(proc.pid)
+        assert len(_workers(proc.pid)) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert not _still_running(kids, grace=5.0)
+        assert not _shm_of([proc.pid, *kids])
+    finally:
+        if proc is not None:
+            _reap(proc, kids)
+
+
+# --------------------------------------------------------------------------------------------- 3. bench --json/--plot
+
+def _no_run(monkeypatch):
+    def run_bench(*a, **kw):
+        raise AssertionError("the benchmark started although its output path cannot be written")
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+
+
+@pytest.mark.parametrize("option, where, message", [
+    ("--json", "missing/x.json", "does not exist"),
+    ("--json", "adir", "is a directory"),
+    ("--plot", "missing/x.png", "does not exist"),
+    ("--plot", "adir", "is a directory"),
+    ("--plot", "x.nosuchformat", "cannot write .nosuchformat"),
+    ("--json", "", "empty"),
+])
+def test_bench_output_paths_checked_before_the_run(tmp_path, monkeypatch, capsys, option, where, message):
+    """A --json/--plot path that cannot be written is a usage error (exit 2, one line naming it, no traceback)
+    before anything runs. Before: it was tried only after the whole run, which then ended with a traceback, exit 1,
+    the results lost (and --json DIR left DIR.tmp behind)."""
+    _no_run(monkeypatch)
+    (tmp_path / "adir").mkdir()
+    path = str(tmp_path / where) if where else ""
+    with pytest.raises(SystemExit) as e:
+        cli.main(BENCH_SHORT + ["--seconds", "0.5", option, path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert sorted(os.listdir(tmp_path)) == ["adir"]   # no DIR.tmp, nothing else
+
+
+def test_bench_json_write_failure_leaves_no_tmp(tmp_path, monkeypatch, capsys):
+    """Should writing the JSON still fail after the run (disk full, the directory removed meanwhile), it is one
+    line on stderr and exit 1, the table printed, and no FILE.tmp left behind."""
+    def no_measurement(self):
+        raise bench.BenchError("not measured (test)")
+    monkeypatch.setattr(bench.Measurement, "run", no_measurement)
+    from vring import cmd_bench
+
+    def replace(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(cmd_bench.os, "replace", replace)
+    out = tmp_path / "r.json"
+    rc = cli.main(BENCH_SHORT + ["--seconds", "0.5", "--json", str(out)])
+    cap = capsys.readouterr()
+    assert rc == 1
+    assert "cannot write --json" in cap.err and "Traceback" not in cap.err, cap.err
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------------------------- 4. bench floats
+
+@pytest.mark.parametrize("args, message", [
+    (["--seconds", "inf"], "--seconds"),
+    (["--seconds", "nan"], "--seconds"),
+    (["--seconds", "1e9"], "--seconds"),
+    (["--seconds", "1", "--warmup", "nan"], "--warmup"),
+    (["--seconds", "1", "--warmup", "inf"], "--warmup"),
+    (["--seconds", "1", "--warmup", "1e9"], "--warmup"),
+    (["--seconds", "1", "--interval", "nan"], "--interval"),
+    (["--seconds", "1", "--idle", "nan"], "--idle"),
+    (["--seconds", "1", "--idle", "inf"], "--idle"),
+    (["--seconds", "1", "--rate", "nan"], "out of range"),
+    (["--seconds", "1", "--rate", "inf"], "out of range"),
+])
+def test_bench_float_options_refused_before_the_run(monkeypatch, capsys, args, message):
+    """Every float option of bench: a non-finite or out-of-range value is a usage error (exit 2) naming the
+    option. Before: --seconds inf / --warmup nan passed, and the point failed later with an empty reason."""
+    _no_run(monkeypatch)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--paths", "split-normal", "-q", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_bench_config_validate_floats():
+    for kw in (dict(seconds=float("inf")), dict(warmup=float("nan")), dict(interval=float("nan")),
+               dict(idle_first=float("nan")), dict(rates=[float("nan")]), dict(startup_timeout=float("inf"))):
+        with pytest.raises(ValueError):
+            bench.BenchConfig(paths=["split-normal"], **kw).validate()
+
+
+# --------------------------------------------------------------------------------------------- 5. early Ctrl-C
+
+STALL_IMPORT = """
+import os, runpy, sys, time
+class Stall:
+    def find_spec(self, name, path=None, target=None):
+        if name == "vring.cmd_bench":     # imported while cli.main() builds the parser
+            sys.meta_path.remove(self)
+            os.write(1, b"building the parser\\n")
+            time.sleep(20)                # the SIGINT arrives here
+        return None
+sys.meta_path.insert(0, Stall())
+sys.argv = ["vring", "vhost", "--socket", sys.argv[1]]
+runpy.run_module("vring.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_building_the_parser_is_quiet_130(tmp_path):
+    """A Ctrl-C while the parser is being built (subcommands, numpy, ... being imported) ends the command like a
+    later one: exit 130, no traceback. Before: a KeyboardInterrupt traceback and death by SIGINT (-2)."""
+    sock = tmp_path / "v.sock"
+    proc = _start([sys.executable, "-c", STALL_IMPORT, str(sock)], tmp_path, pipes=True)
+    try:
+        line = proc.stdout.readline()
+        assert line == b"building the parser\n", proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, err
+        assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err
+        assert not sock.exists()
+    finally:
+        _reap(proc, [])
+
+
+def test_main_returns_130_on_keyboard_interrupt_in_parser(monkeypatch):
+    import importlib
+
+    def interrupted(name, *a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(importlib, "import_module", interrupted)
+    try:
+        rc = cli.main(["demo"])
+    except KeyboardInterrupt:   # not let through: pytest would take it for a Ctrl-C of the whole session
+        pytest.fail("KeyboardInterrupt raised while building the parser escaped cli.main()")
+    assert rc == 130
