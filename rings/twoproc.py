@@ -6,12 +6,12 @@ Used by `vring demo`, the two-process tests and benchmarks/ring_ops.py.
 """
 import multiprocessing as mp
 import os
-import signal
 import time
 
 import numpy as np
 
 from .errors import VringError
+from .interrupts import held_back
 from .layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, QueueLayout, bit)
 from .shm import MemoryTable, ShmRegion
 
@@ -256,28 +256,16 @@ def run_two_processes(fmt, size, in_order, count, burst=32, batch=True, impl="c"
         # Interrupted (Ctrl-C, or SIGTERM/SIGHUP turned into KeyboardInterrupt by the caller) or failed: the
         # children may be busy-polling for up to ``deadline`` s, so they are stopped now rather than waited for.
         # Signals are held back meanwhile, so that a second one cannot leave the children or the segment behind.
-        blocked = _block_signals()
-        try:
-            for p in procs:
-                if not finished and p.is_alive():
-                    p.terminate()
-            for p in procs:
-                p.join(5 if finished else 2)
-                if p.is_alive():
-                    p.kill()
-                    p.join(5)
-        finally:
+        with held_back():
             try:
+                for p in procs:
+                    if not finished and p.is_alive():
+                        p.terminate()
+                for p in procs:
+                    p.join(5 if finished else 2)
+                    if p.is_alive():
+                        p.kill()
+                        p.join(5)
+            finally:
                 if s is not None:
                     s.close()
-            finally:
-                if blocked is not None:
-                    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-
-
-def _block_signals():
-    """Block SIGINT, SIGTERM and SIGHUP in this thread; returns the previous mask (None where not possible)."""
-    try:
-        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-    except (AttributeError, ValueError, OSError):
-        return None

@@ -55,6 +55,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
+from rings.interrupts import held_back
 from virtio.net import TX_HDR   # vring driver --tx-hdr
 
 PATHS = {  # name -> (packed, in_order)
@@ -482,13 +483,6 @@ class _Proc:
                 pass
 
 
-def _block_signals():
-    try:
-        return signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
 def _vring_cmd(*args):
     return [sys.executable, "-m", "vring.cli", *map(str, args)]
 
@@ -748,12 +742,8 @@ class Measurement:
     def close(self):
         """Stop whatever still runs (SIGKILL if it does not stop), remove sockets, shm and the directory.
         SIGINT/SIGTERM/SIGHUP are held back meanwhile (a second Ctrl-C must not leave half of it undone)."""
-        blocked = _block_signals()
-        try:
+        with held_back():
             self._close()
-        finally:
-            if blocked is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def _close(self):
         for p in self.procs:

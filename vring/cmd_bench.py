@@ -32,6 +32,7 @@ import os
 import sys
 import time
 
+from rings.interrupts import ending_like_ctrl_c
 from vring import bench
 
 
@@ -290,15 +291,10 @@ def run(args):
         done[0] += 1
         prog.record(rec, done[0], total)
 
-    import signal
     # SIGTERM and SIGHUP (the terminal closed: our children run in sessions of their own and do not get it) end
     # the run like Ctrl-C: every process of the current measurement is stopped and its directory removed
-    old = {sig: signal.signal(sig, _sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with ending_like_ctrl_c():
         result = bench.run_bench(cfg, progress=progress, on_record=on_record)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
     print(bench.format_table(result))
     failed_output = False
     if args.json:
@@ -333,10 +329,6 @@ def run(args):
         return 130
     ok = not result["errors"] and all(p["loss_check_ok"] for p in result["points"]) and not failed_output
     return 0 if ok else 1
-
-
-def _sigterm(*_):
-    raise KeyboardInterrupt   # unwinds through every Measurement.close()
 
 
 def check_output_path(option, path):

@@ -6,10 +6,10 @@ Exit status: 0 all exercised requirements hold, 1 a requirement failed, 2 usage 
 run that ended early: the peer left, stopped answering or stalled).
 """
 import argparse
-import signal
 import sys
 
 from rings.errors import VringError
+from rings.interrupts import ending_like_ctrl_c
 
 EPILOG_DEVICE = """\
 The backend must loop the frames it receives on the driver's Tx queue back into the driver's Rx queue:
@@ -93,15 +93,6 @@ def _emit(args, report):
     return report.exit_code()
 
 
-def _interrupt(signum, _frame):
-    raise KeyboardInterrupt   # SIGTERM / SIGHUP end the run as Ctrl-C does: the socket and rings cleaned up
-
-
-def _signals():
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
-
-
 def _fail(e):
     print(f"vring conform: {type(e).__name__}: {e}", file=sys.stderr)
     return 2
@@ -119,7 +110,6 @@ def _ended(args, e, report):
 
 
 def run_device(args):
-    _signals()
     from conform.device import SCENARIOS, DeviceHarness, DeviceOptions
     try:
         opts = DeviceOptions(socket=args.socket, packed=args.packed, in_order=args.in_order,
@@ -130,15 +120,19 @@ def run_device(args):
         harness = DeviceHarness(opts)
     except VringError as e:   # usage: no run, no report
         return _fail(e)
+    return _run(args, harness)
+
+
+def _run(args, harness):
     try:
-        report = harness.run()
+        with ending_like_ctrl_c():   # SIGTERM / SIGHUP: the socket and rings cleaned up as on Ctrl-C
+            report = harness.run()
     except VringError as e:
         return _ended(args, e, harness.report)
     return _emit(args, report)
 
 
 def run_driver(args):
-    _signals()
     from conform.driver import DriverHarness, DriverOptions
     try:
         opts = DriverOptions(socket=args.socket, client=args.client, seconds=args.seconds, wait=args.wait,
@@ -147,8 +141,4 @@ def run_driver(args):
         harness = DriverHarness(opts)
     except VringError as e:
         return _fail(e)
-    try:
-        report = harness.run()
-    except VringError as e:
-        return _ended(args, e, harness.report)
-    return _emit(args, report)
+    return _run(args, harness)

@@ -1,8 +1,8 @@
 """`vring demo`: a driver process and a device process move numbered buffers over each ring variant."""
 import json
-import signal
 
 from rings.errors import VringError
+from rings.interrupts import ending_like_ctrl_c
 from rings.twoproc import run_two_processes
 
 
@@ -21,16 +21,8 @@ def run(args):
     # SIGTERM / SIGHUP (a supervisor, a closed terminal) end the demo like Ctrl-C: the two child processes are
     # stopped and the shared-memory segment unlinked on the way out (exit 130), instead of dying at once and
     # leaving both behind
-    old = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with ending_like_ctrl_c():
         return _run(args)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
 
 
 def _run(args):
