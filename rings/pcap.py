@@ -27,7 +27,9 @@ class PcapWriter:
         self.written = 0
         self.left_out = 0  # frames offered after the limit was reached (or the file failed)
         self.error = None  # the write error that ended the capture (disk full, ...): the run goes on without it
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # packet data: private
+        # packet data: private. Non-blocking open: a FIFO nobody reads is an error (ENXIO), not a hang
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        os.set_blocking(fd, True)
         self._f = os.fdopen(fd, "wb")
         self._w = dpkt.pcap.Writer(self._f, snaplen=SNAPLEN, linktype=dpkt.pcap.DLT_EN10MB)
 

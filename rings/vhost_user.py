@@ -985,20 +985,34 @@ def socket_is_live(path, timeout: float = 1.0) -> bool:
     return True
 
 
+LISTEN_LOCK_WAIT = 1.0   # seconds listen_unix waits for the directory's lock (held by a peer only microseconds)
+
+
 def listen_unix(path, backlog: int = 1) -> socket.socket:
     """A listening AF_UNIX stream socket at ``path`` with mode 0600 (set before ``listen``, so nobody can connect
     earlier). A live server at ``path`` is never taken over (ConfigError); a stale socket file is replaced;
     any other file there is a ConfigError. Check, replace and bind hold an flock on the socket's directory:
     two of us starting on one stale path at once could otherwise both find it stale, and the second unlink the
-    first one's fresh socket (which then listens where nobody can reach it)."""
+    first one's fresh socket (which then listens where nobody can reach it). The lock is only asked for, for a
+    second at most: a directory someone else keeps locked (``flock DIR cmd``, our own parent), or one that cannot
+    be locked (NFS), goes without it."""
     path = os.fspath(path)
     try:
         dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         dfd = None   # a directory we may not read: bind reports what is wrong with it
     try:
-        if dfd is not None:
-            fcntl.flock(dfd, fcntl.LOCK_EX)
+        deadline = time.monotonic() + LISTEN_LOCK_WAIT
+        while dfd is not None:
+            try:
+                fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.005)
+            except OSError:
+                break
         return _listen_unix_locked(path, backlog)
     finally:
         if dfd is not None:

@@ -28,7 +28,8 @@
   (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
   of the buffer that holds the frame: INORDER-10), ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets,
   every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12), on split
-  rings ``len-late`` (used entries published with the
+  rings ``rx-pair-short`` (no MRG_RXBUF: one used entry for every two frames' Rx buffers, the first buffer skipped
+  though its frame is shorter than the buffer: INORDER-10), ``len-late`` (used entries published with the
   id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
   buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
   AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
@@ -269,6 +270,7 @@ class _LoopQueues:
         self.faults = 0
         self.nframes = 0
         self.held_tx = []         # gen01: Tx completions held until DRIVER_OK
+        self.pair_ids = []        # rx-pair-short: the buffers pushed and not yet published
 
     def _early(self):
         """gen01: running before DRIVER_OK."""
@@ -478,6 +480,12 @@ class _LoopQueues:
         rx.push_used(np.array(ids, np.uint32), np.array(lens, np.uint32))
         if self.fault == "len-late" and not self.packed:
             self._len_late(RX, ids, lens)
+        elif self.fault == "rx-pair-short" and not self.packed:
+            self.pair_ids += ids
+            if len(self.pair_ids) >= 2:   # one entry for two frames' buffers: the first, short, is skipped
+                self._split_used_by_hand(RX, self.pair_ids, [(0, ids[-1], lens[-1])])
+                self.pair_ids = []
+                self.faults += 1
         else:
             rx.flush()
         self._call(RX)

@@ -13,7 +13,10 @@ exit status, nothing left behind, no traceback.
   unlink the first one's fresh socket);
 * `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left);
 * `vring driver`: Ctrl-C while a backend does not answer the set-up ends it at once (it waited out --timeout);
-* `vring tap --max-sessions 0` is refused (it served nobody and exited 0).
+* `vring tap --max-sessions 0` is refused (it served nobody and exited 0);
+* and what attack44 found in those fixes: a control socket's EPIPE is an error (only our stdout closing is
+  quiet), a directory lock held elsewhere delays listen_unix a second at most, `vring driver --pcap` reports an
+  error that shows only at close.
 """
 import os
 import signal
@@ -130,8 +133,12 @@ def test_pcap_file_that_fails_ends_the_capture_not_the_run(tmp_path):
         while not os.path.exists(sock):
             assert time.monotonic() < end and be.poll() is None, be.stderr.read() if be.poll() is not None else ""
             time.sleep(0.02)
-        drv = _vring("driver", "--socket", sock, "--count", "64", "--seconds", "1", "--verify", timeout=60)
+        drv = _vring("driver", "--socket", sock, "--count", "64", "--seconds", "1", "--verify", "--json",
+                     "--pcap", "/dev/full", timeout=60)
         assert drv.returncode == 0, drv.stderr[-2000:]
+        # the driver's report has the error, also one that shows only when the last frames reach the file
+        import json
+        assert "No space left" in json.loads(drv.stdout)["pcap"]["error"], drv.stdout[-2000:]
     finally:
         be.send_signal(signal.SIGINT)
         try:
@@ -246,3 +253,40 @@ def test_tap_refuses_to_serve_no_session(tmp_path):
                "--max-sessions", "0")
     _one_line(p, 1, "vring tap: --max-sessions must be >= 1")
     assert not os.path.exists(tmp_path / "a.sock")
+
+
+def test_dump_of_a_control_socket_whose_process_left_is_an_error(monkeypatch):
+    """Found by attack44, a regression of the closed-pipe fix: the EPIPE of a control socket that closed on us was
+    taken for `| head` and the dump ended silently with 0. Only our own stdout closing is quiet."""
+    from vring import cmd_dump
+    from vring.cli import build_parser
+
+    class GoneSource:
+        live = True
+
+        def sample(self):
+            raise BrokenPipeError(32, "Broken pipe")   # what sendall to a closed control socket raises
+
+        def close(self):
+            pass
+    monkeypatch.setattr(cmd_dump, "_source", lambda args: GoneSource())
+    args = build_parser().parse_args(["dump", "--ctl", "/nonexistent/ctl.sock"])
+    with pytest.raises(SystemExit, match="vring dump: .*Broken pipe"):
+        cmd_dump.run(args)
+
+
+def test_listen_unix_goes_on_when_someone_else_holds_the_directory_lock(tmp_path):
+    """Found by attack44: `flock DIR vring vhost --socket DIR/s` (or any holder of the directory's flock) had
+    listen_unix wait for ever, deaf to Ctrl-C. The lock is asked for a second at most."""
+    import fcntl
+
+    from rings import vhost_user as vu
+    dfd = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(dfd, fcntl.LOCK_EX)
+        t0 = time.monotonic()
+        listener = vu.listen_unix(str(tmp_path / "s.sock"))
+        assert time.monotonic() - t0 < vu.LISTEN_LOCK_WAIT + 1
+        listener.close()
+    finally:
+        os.close(dfd)

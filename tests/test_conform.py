@@ -477,6 +477,16 @@ def test_conform_device_split_v_11_packed_v_12_blame_a_batch_entry_len_not_the_s
     assert rows(rep)["INORDER-10"]["status"] == "pass", rows(rep)["INORDER-10"]
 
 
+def test_conform_device_inorder_10_catches_a_skipped_buffer_holding_a_short_frame(tmp_path):
+    """Found by attack44, a regression of the len blame above: a skipped buffer (one used entry for two frames'
+    buffers, no MRG_RXBUF) holding a frame shorter than the buffer is what INORDER-10 forbids; its canary tail
+    past the frame made "only the length is wrong" true, and INORDER-10 passed. A skipped buffer's length is
+    assumed, not given: only the last buffer's len can be blamed."""
+    rep, f = run_loop_device(tmp_path, "rx-pair-short", "--in-order", "--no-mrg-rxbuf", "--scenarios", "batches")
+    assert "INORDER-10" in f and rows(rep)["INORDER-10"]["status"] == "fail", f
+    assert "SPLIT-V-11" not in f, f
+
+
 def test_conform_device_split_v_08_catches_used_len_set_after_used_idx(tmp_path):
     """Used entries published with their ids, used idx moved, the lens written 20 ms later: SPLIT-V-08 fails on
     both queues naming the slot, the canary the len still held and the len it became; the buffers are judged by

@@ -205,6 +205,9 @@ def test_area_of_the_other_ring_format_is_refused_at_the_queue_start_and_by_the_
         q_other = DeviceQueue(other.mem, other.layout, other.features)
         with pytest.raises(InflightError, match="made for 8-entry"):
             trk.start(q_other, other.mem)
+        bigger = DeviceQueue(pair.mem, QueueLayout.contiguous(pair.layout.fmt, 2 * SIZE, GPA), pair.features)
+        with pytest.raises(InflightError, match=f"this vring is a {2 * SIZE}-entry"):   # same format, other size
+            trk.start(bigger, pair.mem)
         other.add([0])   # what the Python check stops, given to the C side on its own
         c = pair.chains.c
         c.n = c.nsegs = 0

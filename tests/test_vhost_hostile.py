@@ -376,6 +376,41 @@ def test_a_frontend_that_reconnects_as_it_closes_is_not_refused_as_busy(server, 
         fe.negotiate()
         fe.close()
     assert server.server.refused_busy == 0
+    # one that left 2000 messages unread (the server reads one per round) is no "other frontend" either
+    gone = ScriptedFrontend(sock_path).connect()
+    gone.conn.sock.sendall(vu.HEADER.pack(int(R.SET_OWNER), vu.VERSION, 0) * 2000)
+    gone.close()
+    with ScriptedFrontend(sock_path).connect() as fe:
+        fe.negotiate()
+    assert server.server.refused_busy == 0
+
+
+def test_max_connections_1_serves_no_successor_that_came_in_the_same_round(tmp_path):
+    """Found by attack44, a regression of the test above: the first frontend's EOF and a second connection seen in
+    one round had the server attach the second at once, past --max-connections (serve() checks it between rounds).
+    The successor now waits for the next round: with --max-connections 1 the server ends instead."""
+    import signal
+
+    from rings.errors import VringError
+    from vhost.testing import VhostProcess
+    from virtio.frontend import VhostUserFrontend
+    sock = str(tmp_path / "vh.sock")
+    with VhostProcess(sock, "--max-connections", "1") as be:
+        be.wait_socket()
+        first = VhostUserFrontend(sock, timeout=3).connect()
+        first.call(R.GET_FEATURES)
+        be.proc.send_signal(signal.SIGSTOP)   # both events land in one select of the server
+        while open(f"/proc/{be.proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.001)   # (stopped only once the signal is delivered)
+        try:
+            first.close()
+            second = VhostUserFrontend(sock, timeout=3).connect()
+        finally:
+            be.proc.send_signal(signal.SIGCONT)
+        with pytest.raises(VringError):
+            second.call(R.GET_FEATURES)
+        second.close()
+        assert be.proc.wait(10) == 0
 
 
 def test_ring_size_left_by_the_other_format_is_refused_not_an_internal_error(server, sock_path, caplog):

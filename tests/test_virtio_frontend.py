@@ -254,3 +254,45 @@ def test_an_inflight_area_its_backend_would_not_let_us_seal_is_kept_as_a_sealed_
         if nq:
             nq.close()
         srv.close()
+
+
+@pytest.mark.parametrize("lie", ["size-2^40", "size-past-the-file", "offset-2^63", "pipe"])
+def test_an_unsealable_inflight_area_that_lies_about_its_size_is_a_protocol_error(sock, monkeypatch, lie):
+    """Found by attack44: the sealed copy read ``mmap_size`` bytes at ``mmap_offset`` as the backend announced them:
+    2^40 was a MemoryError, 2^63 an OverflowError, a pipe "Illegal seek" (tracebacks). Checked against the file."""
+    import vhost.device
+    from rings.errors import ProtocolError
+    from vhost.device import Reply
+    from vhost.inflight import create_area
+    from vhost.testing import ThreadedServer, features_for
+
+    def lying_area(num_queues, queue_size, is_packed):
+        fd, size = create_area(num_queues, queue_size, is_packed)
+        os.close(fd)
+        if lie == "pipe":
+            r, w = os.pipe()
+            os.close(w)
+            return r, size
+        plain = os.memfd_create("lying-inflight", os.MFD_CLOEXEC)
+        os.ftruncate(plain, size)
+        return plain, {"size-2^40": 1 << 40, "size-past-the-file": size + 4096}.get(lie, size)
+    monkeypatch.setattr(vhost.device, "create_area", lying_area)
+    if lie == "offset-2^63":
+        real = vhost.device.NetDevice._get_inflight_fd
+
+        def far(self, msg, inf):
+            rep = real(self, msg, inf)
+            got = vu.Inflight.unpack(rep.payload)
+            return Reply(vu.Inflight(got.mmap_size, 1 << 63, got.num_queues, got.queue_size).pack(), rep.fds)
+        monkeypatch.setattr(vhost.device.NetDevice, "_get_inflight_fd", far)
+    srv = ThreadedServer(sock)
+    fe = VhostUserFrontend(sock, timeout=2)
+    try:
+        fe.connect()
+        fe.negotiate(features_for(False))
+        with pytest.raises(ProtocolError, match="inflight area"):
+            fe.get_inflight(64)
+        assert fe.inflight is None
+    finally:
+        fe.close()
+        srv.close()

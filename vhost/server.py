@@ -276,10 +276,9 @@ class Server:
         if self.listener is not None and self.listener in r:
             if self.conn is not None and _hung_up(self.conn.sock):   # left with messages unread: they are moot
                 self._drop("peer closed the connection")
-            if self.conn is None:
-                self._connect(0)
-            else:
+            if self.conn is not None:
                 self._refuse_busy()
+            # else: the successor waits in the backlog for the next round (serve() checks max_connections first)
 
     def _drop_faulted(self, e):
         """The frontend's memory shrank under one of our accesses: log it once, drop the connection."""

@@ -251,6 +251,7 @@ def run(cfg: DriverConfig, on_ready=None):
         result.update(loop.summary(elapsed))
         result.update(nq.counters())
         if pcap is not None:
+            pcap.close()   # first: a write error may show only when the last frames reach the file
             result["pcap"] = pcap.stats()
         if error is not None:
             error.report = result

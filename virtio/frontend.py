@@ -15,6 +15,7 @@ runs the rings (it no longer says what is in flight; the next tracking backend m
 """
 import collections
 import os
+import stat
 
 from rings import vhost_user as vu
 from rings.errors import (BackendBusy, ConfigError, FeatureRefused, PeerGone, ProtocolError, ProtocolNack,
@@ -26,6 +27,7 @@ from rings.shm import ShmRegion, seal_shrink
 
 R = vu.VhostUserRequest
 PF = vu.VhostUserProtocolFeature
+MAX_INFLIGHT = 64 << 20   # bytes: two packed queues of 32768 take about 2 MiB (the area is copied when unsealable)
 
 # the features the command line turns on and off, by name
 SELECTABLE = {
@@ -195,8 +197,15 @@ class VhostUserFrontend:
         """An area its backend did not let us seal (DPDK: a memfd without MFD_ALLOW_SEALING) is copied, still
         untouched, into a size-sealed memfd of ours: that is what every backend gets from then on (a successor
         rightly refuses an area that can shrink under its mapping). Returns (vu.Inflight, fd); closes ``fd``."""
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or inf.mmap_size > MAX_INFLIGHT or \
+                inf.mmap_offset + inf.mmap_size > st.st_size:
+            raise ProtocolError(f"backend at {self.path}: its inflight area ({inf.mmap_size:#x} bytes at offset "
+                                f"{inf.mmap_offset:#x}) is not in its file ({st.st_size:#x} bytes"
+                                f"{'' if stat.S_ISREG(st.st_mode) else ', not a regular file'}; at most "
+                                f"{MAX_INFLIGHT:#x} bytes)")
         data = os.pread(fd, inf.mmap_size, inf.mmap_offset)
-        if len(data) != inf.mmap_size:
+        if len(data) != inf.mmap_size:   # shrunk since the fstat
             raise ProtocolError(f"backend at {self.path}: its inflight area holds {len(data):#x} bytes at offset "
                                 f"{inf.mmap_offset:#x}, not the {inf.mmap_size:#x} it announced")
         try:

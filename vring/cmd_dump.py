@@ -85,7 +85,7 @@ def run(args):
             return _loop(args, source)
         finally:
             source.close()
-    except BrokenPipeError:   # `vring dump ... | head`: the reader has all it wanted
+    except _StdoutClosed:   # `vring dump ... | head`: the reader has all it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit's flush)
         return 0
     except (VringError, OSError, ValueError) as e:  # one line, exit status 1 (damaged files included)
@@ -199,12 +199,19 @@ def _loop(args, source):
                 path = args.raw if len(samples) == 1 else f"{args.raw}-{_file_part(name)}"
                 raw.save(path)
             out.append((name, raw, snap, findings))
-        _print(args, out)
+        try:
+            _print(args, out)
+            sys.stdout.flush()
+        except BrokenPipeError:   # ours to write only: a control socket's EPIPE is an error (its process left)
+            raise _StdoutClosed() from None
         n += 1
         if not args.watch or not source.live or (args.count and n >= args.count):
             return 0
-        sys.stdout.flush()
         time.sleep(args.watch)
+
+
+class _StdoutClosed(Exception):
+    """Whoever reads our output closed it."""
 
 
 def _file_part(name):

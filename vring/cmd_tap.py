@@ -110,7 +110,8 @@ def run(args):
             print(f"vring tap: pcap {st['path']}: {st['written']} frames"
                   + (f" (limit {st['limit']}, {st['left_out']} more seen and left out)" if st["limit"] else "")
                   + f"; not captured: lapped {st['lapped']}, lost {st['lost']}, unreadable {st['unreadable']}, "
-                    f"not seen published {st['not_seen_published']}", file=sys.stderr)
+                    f"not seen published {st['not_seen_published']}"
+                  + (f"; capture stopped: {st['error']}" if st["error"] else ""), file=sys.stderr)
         if notify is not None:
             notify.close()
         if ctl is not None:
