@@ -985,7 +985,8 @@ def socket_is_live(path, timeout: float = 1.0) -> bool:
     return True
 
 
-LISTEN_LOCK_WAIT = 1.0   # seconds listen_unix waits for the directory's lock (held by a peer only microseconds)
+LISTEN_LOCK_WAIT = 1.0   # seconds listen_unix waits for the directory's lock (a peer holds it for its check and
+#                          bind: microseconds, unless the check's connect to a stale-looking socket waits)
 
 
 def listen_unix(path, backlog: int = 1) -> socket.socket:

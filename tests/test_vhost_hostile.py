@@ -385,6 +385,53 @@ def test_a_frontend_that_reconnects_as_it_closes_is_not_refused_as_busy(server, 
     assert server.server.refused_busy == 0
 
 
+def _stopped(proc):
+    """SIGSTOP ``proc`` and wait until it is stopped (the signal is delivered asynchronously)."""
+    import signal
+    proc.send_signal(signal.SIGSTOP)
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        time.sleep(0.001)
+
+
+def test_a_frontend_that_half_closes_still_gets_its_replies_and_a_newcomer_is_busy(tmp_path):
+    """Found by attack45: shutdown(SHUT_WR) (POLLRDHUP alone) was taken for a hang-up: a frontend that had sent
+    50 requests and still read the replies was dropped after one of them when a second frontend connected, and
+    the second was served instead of told busy. Only a close (POLLHUP) makes the served frontend gone."""
+    import signal
+    import socket
+
+    from vhost.testing import VhostProcess
+    sock = str(tmp_path / "vh.sock")
+    n = 50
+    with VhostProcess(sock) as be:
+        be.wait_socket()
+        a = socket.socket(socket.AF_UNIX)
+        a.connect(sock)
+        a.settimeout(5)
+        a.sendall(vu.HEADER.pack(int(R.GET_FEATURES), vu.VERSION, 0))
+        assert len(a.recv(vu.HEADER.size + 8)) == vu.HEADER.size + 8   # accepted and served
+        _stopped(be.proc)
+        try:
+            a.sendall(vu.HEADER.pack(int(R.GET_FEATURES), vu.VERSION, 0) * n)
+            a.shutdown(socket.SHUT_WR)   # done asking, still reading
+            b = socket.socket(socket.AF_UNIX)
+            b.connect(sock)
+        finally:
+            be.proc.send_signal(signal.SIGCONT)
+        got = b""
+        while True:
+            d = a.recv(65536)
+            if not d:
+                break
+            got += d
+        assert len(got) == n * (vu.HEADER.size + 8), len(got)
+        b.settimeout(5)
+        notice = vu.Connection(b).recv(timeout=5)
+        assert vu.busy_text(notice), notice
+        a.close()
+        b.close()
+
+
 def test_max_connections_1_serves_no_successor_that_came_in_the_same_round(tmp_path):
     """Found by attack44, a regression of the test above: the first frontend's EOF and a second connection seen in
     one round had the server attach the second at once, past --max-connections (serve() checks it between rounds).
@@ -399,9 +446,7 @@ def test_max_connections_1_serves_no_successor_that_came_in_the_same_round(tmp_p
         be.wait_socket()
         first = VhostUserFrontend(sock, timeout=3).connect()
         first.call(R.GET_FEATURES)
-        be.proc.send_signal(signal.SIGSTOP)   # both events land in one select of the server
-        while open(f"/proc/{be.proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-            time.sleep(0.001)   # (stopped only once the signal is delivered)
+        _stopped(be.proc)   # both events land in one select of the server
         try:
             first.close()
             second = VhostUserFrontend(sock, timeout=3).connect()

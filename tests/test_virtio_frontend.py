@@ -256,10 +256,11 @@ def test_an_inflight_area_its_backend_would_not_let_us_seal_is_kept_as_a_sealed_
         srv.close()
 
 
-@pytest.mark.parametrize("lie", ["size-2^40", "size-past-the-file", "offset-2^63", "pipe"])
+@pytest.mark.parametrize("lie", ["size-2^40", "size-past-the-file", "offset-2^63", "pipe", "write-only"])
 def test_an_unsealable_inflight_area_that_lies_about_its_size_is_a_protocol_error(sock, monkeypatch, lie):
     """Found by attack44: the sealed copy read ``mmap_size`` bytes at ``mmap_offset`` as the backend announced them:
-    2^40 was a MemoryError, 2^63 an OverflowError, a pipe "Illegal seek" (tracebacks). Checked against the file."""
+    2^40 was a MemoryError, 2^63 an OverflowError, a pipe "Illegal seek" (tracebacks). Checked against the file;
+    a file we cannot read (write-only) is a ProtocolError too."""
     import vhost.device
     from rings.errors import ProtocolError
     from vhost.device import Reply
@@ -275,6 +276,10 @@ def test_an_unsealable_inflight_area_that_lies_about_its_size_is_a_protocol_erro
             return r, size
         plain = os.memfd_create("lying-inflight", os.MFD_CLOEXEC)
         os.ftruncate(plain, size)
+        if lie == "write-only":   # (attack45: a bare OSError from pread, EBADF)
+            wronly = os.open(f"/proc/self/fd/{plain}", os.O_WRONLY)
+            os.close(plain)
+            return wronly, size
         return plain, {"size-2^40": 1 << 40, "size-past-the-file": size + 4096}.get(lie, size)
     monkeypatch.setattr(vhost.device, "create_area", lying_area)
     if lie == "offset-2^63":

@@ -35,10 +35,11 @@ HANDSHAKE_TIMEOUT = 5.0   # a frontend must ask GET_FEATURES within this after c
 
 
 def _hung_up(sock):
-    """The peer closed its end of ``sock`` (whatever it left unread in it)."""
+    """The peer closed ``sock`` (whatever it left unread in it). Not a half-close (shutdown(SHUT_WR), POLLRDHUP
+    alone): such a peer still reads its replies. On AF_UNIX a close shuts both directions: POLLHUP."""
     p = select.poll()
-    p.register(sock, select.POLLRDHUP)
-    return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
+    p.register(sock, select.POLLIN)
+    return any(ev & (select.POLLHUP | select.POLLERR) for _, ev in p.poll(0))
 
 
 class Server:

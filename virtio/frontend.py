@@ -204,7 +204,10 @@ class VhostUserFrontend:
                                 f"{inf.mmap_offset:#x}) is not in its file ({st.st_size:#x} bytes"
                                 f"{'' if stat.S_ISREG(st.st_mode) else ', not a regular file'}; at most "
                                 f"{MAX_INFLIGHT:#x} bytes)")
-        data = os.pread(fd, inf.mmap_size, inf.mmap_offset)
+        try:
+            data = os.pread(fd, inf.mmap_size, inf.mmap_offset)
+        except OSError as e:   # e.g. an fd opened write-only
+            raise ProtocolError(f"backend at {self.path}: its inflight area cannot be read: {e}") from None
         if len(data) != inf.mmap_size:   # shrunk since the fstat
             raise ProtocolError(f"backend at {self.path}: its inflight area holds {len(data):#x} bytes at offset "
                                 f"{inf.mmap_offset:#x}, not the {inf.mmap_size:#x} it announced")

@@ -199,11 +199,7 @@ def _loop(args, source):
                 path = args.raw if len(samples) == 1 else f"{args.raw}-{_file_part(name)}"
                 raw.save(path)
             out.append((name, raw, snap, findings))
-        try:
-            _print(args, out)
-            sys.stdout.flush()
-        except BrokenPipeError:   # ours to write only: a control socket's EPIPE is an error (its process left)
-            raise _StdoutClosed() from None
+        _out(lambda: _print(args, out))
         n += 1
         if not args.watch or not source.live or (args.count and n >= args.count):
             return 0
@@ -212,6 +208,16 @@ def _loop(args, source):
 
 class _StdoutClosed(Exception):
     """Whoever reads our output closed it."""
+
+
+def _out(what):
+    """Print ``what`` (text, or a function that prints) and flush: a closed stdout is _StdoutClosed, apart from
+    the EPIPE of a control socket (its process left), which is an error."""
+    try:
+        what() if callable(what) else print(what)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise _StdoutClosed() from None
 
 
 def _file_part(name):
@@ -332,5 +338,5 @@ def _fmt_changes(d, prefix=""):
 def _diff(args):
     a, b = rawdump.load(args.diff[0]), rawdump.load(args.diff[1])
     d = diff_snapshots(a, b)
-    print(json.dumps(d, indent=1) if args.json else format_diff(d))
+    _out(json.dumps(d, indent=1) if args.json else format_diff(d))
     return 0
