@@ -55,6 +55,27 @@ def sock(tmp_path):
 
 # ----------------------------------------------------------------------------- no testpmd needed
 
+
+def test_a_prompt_printed_in_pieces_around_log_lines_is_still_one_prompt():
+    """Seen once in 30 `vring bench --pairs ours/dpdk,...` runs (and once in s19's CI): net_vhost's vhost-user thread
+    printed whole VHOST_CONFIG lines while the main thread printed the prompt a few bytes at a time
+    ("t" + a log line + "estpmd>" + log lines + " "). The prompt was missed, every later command waited for the
+    prompt of the one before, and the bench failed with "'show port stats 0': no prompt after 10.0s"."""
+    tp = Testpmd.vhost("/nonexistent/vh.sock")   # not started: only its output parser
+    out = (b"EAL: Detected CPU lcores: 2\ntestpmd> show port stats 0\n  RX-packets: 5\n"
+           b"tVHOST_CONFIG: (/tmp/s) read message VHOST_USER_SET_VRING_ADDR\n"
+           b"estpmd>VHOST_CONFIG: (/tmp/s) read message VHOST_USER_SET_VRING_KICK\n \nPort 0: queue state event\n"
+           b"show port stats 0\n  RX-packets: 9\ntestpmd> ")
+    for i in range(0, len(out), 5):   # as the pty hands it over: in pieces
+        tp._feed(out[i:i + 5])
+    assert len(tp._prompt_ends) == 3
+    # what a command gets: the text between two prompts, the interleaved prompt's log lines not in it
+    assert bytes(tp._buf[tp._prompt_ends[0]:tp._prompt_starts[1]]).endswith(b"RX-packets: 5\n")
+    assert bytes(tp._buf[tp._prompt_ends[1]:tp._prompt_starts[2]]).endswith(b"show port stats 0\n  RX-packets: 9\n")
+    other = Testpmd.vhost("/nonexistent/vh.sock")
+    other._feed(b"the test of a testpmd log: t\nestpmd> is no prompt\n")   # (a line of our own between: no log)
+    assert other._prompt_ends == []
+
 def test_skip_reason_when_absent(monkeypatch):
     monkeypatch.setenv("VRING_TESTPMD", "/nonexistent/dpdk-testpmd")
     assert dpdk.find_testpmd() is None

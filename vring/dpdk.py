@@ -62,6 +62,12 @@ __all__ = [
 
 APT_HINT = "apt-get install -y dpdk-dev"
 PROMPT = b"testpmd> "
+# Another thread of testpmd (vhost-user messages: "VHOST_CONFIG: ...", port events: "\nPort 0: ... event") prints
+# whole lines while the main thread prints the prompt a few bytes at a time: "t" + a log line + "estpmd> ". The
+# prompt is found with such lines between any two of its bytes (a missed prompt put every later command one
+# prompt behind: "no prompt after 10s").
+_ASYNC_LINE = rb"(?:[A-Z][A-Z0-9_]*: [^\n]*\n|\n*Port \d+: [^\n]*\n)"
+PROMPT_RE = re.compile((rb"(?:" + _ASYNC_LINE + rb")*").join(re.escape(bytes([c])) for c in PROMPT))
 FWD_MODES = ("mac", "io", "rxonly", "txonly", "macswap", "csum", "flowgen", "icmpecho", "5tuple", "noisy")
 
 # Log lines that look like errors but are expected with these vdevs.
@@ -384,6 +390,7 @@ class Testpmd:
         self._finalizer = weakref.finalize(self, self._child.reap)
         self._buf = bytearray()
         self._cond = threading.Condition()
+        self._prompt_starts: list[int] = []
         self._prompt_ends: list[int] = []
         self._scan = 0
         self._eof = False
@@ -627,7 +634,7 @@ class Testpmd:
                 self._cond.wait_for(lambda: len(self._prompt_ends) > idx or self._eof, timeout)
                 if len(self._prompt_ends) <= idx:
                     raise self._error(f"{cmd!r}: " + ("testpmd exited" if self._eof else f"no prompt after {timeout}s"))
-                raw = bytes(self._buf[self._prompt_ends[idx - 1]: self._prompt_ends[idx] - len(PROMPT)])
+                raw = bytes(self._buf[self._prompt_ends[idx - 1]: self._prompt_starts[idx]])
         text = raw.decode("utf-8", "replace").replace("\r", "")
         first, _, rest = text.partition("\n")  # drop the echoed command line
         return rest if first.strip() == cmd.strip() else text
@@ -745,8 +752,18 @@ class Testpmd:
         except (BrokenPipeError, ValueError) as e:
             raise self._error(f"cannot send {cmd!r}: {e}") from e
 
+    def _feed(self, chunk: bytes) -> None:
+        """New output: the prompts in it (PROMPT_RE; from the end of the last one: a prompt may be in pieces)."""
+        self._buf += chunk
+        while True:
+            m = PROMPT_RE.search(self._buf, self._scan)
+            if m is None:
+                break
+            self._prompt_starts.append(m.start())
+            self._prompt_ends.append(m.end())
+            self._scan = m.end()
+
     def _read_loop(self, fd: int) -> None:
-        n = len(PROMPT)
         while True:
             try:
                 chunk = os.read(fd, 65536)
@@ -757,14 +774,7 @@ class Testpmd:
                     self._eof = True
                     self._cond.notify_all()
                     return
-                self._buf += chunk
-                while True:
-                    i = self._buf.find(PROMPT, self._scan)
-                    if i < 0:
-                        break
-                    self._prompt_ends.append(i + n)
-                    self._scan = i + n
-                self._scan = max(self._scan, len(self._buf) - n + 1)
+                self._feed(chunk)
                 if not self._runtime_dir_seen:  # EAL says where it keeps its files; trust it over our guess
                     m = re.search(rb"Multi-process socket (\S+)/mp_socket", self._buf)
                     if m:
