@@ -44,6 +44,29 @@ def _vring(*args, timeout=60, **kw):
                           cwd=ROOT, timeout=timeout, **kw)
 
 
+def _start(*args):
+    """`vring ARGS` in a session of its own, stderr kept (``_reap``)."""
+    return subprocess.Popen([sys.executable, "-m", "vring.cli", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, start_new_session=True)
+
+
+def _wait_path(path, proc, timeout=20):
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < end and proc.poll() is None, f"no {path}"
+        time.sleep(0.02)
+
+
+def _reap(proc):
+    """Kill ``proc`` if it still runs; its stderr."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    return err
+
+
 def _one_line(p, rc, start):
     assert p.returncode == rc, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
     assert "Traceback" not in p.stderr and p.stderr.count("\n") <= 1 and p.stderr.startswith(start), p.stderr
@@ -138,14 +161,9 @@ def test_pcap_file_that_fails_ends_the_capture_not_the_run(tmp_path):
     assert w.full and "No space left" in w.error and w.left_out > 0
     w.close()   # no second error
     sock = str(tmp_path / "v.sock")
-    be = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--pcap", "/dev/full"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                          start_new_session=True)
+    be = _start("vhost", "--socket", sock, "--pcap", "/dev/full")
     try:
-        end = time.monotonic() + 20
-        while not os.path.exists(sock):
-            assert time.monotonic() < end and be.poll() is None, be.stderr.read() if be.poll() is not None else ""
-            time.sleep(0.02)
+        _wait_path(sock, be)
         drv = _vring("driver", "--socket", sock, "--count", "64", "--seconds", "1", "--verify", "--json",
                      "--pcap", "/dev/full", timeout=60)
         assert drv.returncode == 0, drv.stderr[-2000:]
@@ -157,11 +175,7 @@ def test_pcap_file_that_fails_ends_the_capture_not_the_run(tmp_path):
         try:
             be.wait(20)
         finally:
-            if be.poll() is None:
-                be.kill()
-                be.wait()
-        err = be.stderr.read()
-        be.stderr.close()
+            err = _reap(be)
     assert be.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "internal error" not in err, err[-3000:]
     assert "capture stopped" in err and "No space left on device" in err, err[-3000:]
@@ -212,22 +226,13 @@ def test_two_servers_starting_on_one_stale_path_never_both_listen(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
 def test_conform_driver_cleans_up_on_sigterm_and_sighup(tmp_path, sig):
     sock = str(tmp_path / "cf.sock")
-    p = subprocess.Popen([sys.executable, "-m", "vring.cli", "conform", "driver", "--socket", sock, "--wait", "20"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                         start_new_session=True)
+    p = _start("conform", "driver", "--socket", sock, "--wait", "20")
     try:
-        end = time.monotonic() + 20
-        while not os.path.exists(sock):
-            assert time.monotonic() < end and p.poll() is None
-            time.sleep(0.02)
+        _wait_path(sock, p)
         p.send_signal(sig)
         assert p.wait(20) == 130
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-        err = p.stderr.read()
-        p.stderr.close()
+        err = _reap(p)
     assert "Traceback" not in err, err
     assert not os.path.exists(sock), "the socket file was left"
 
@@ -239,9 +244,7 @@ def test_driver_ctrl_c_while_a_backend_does_not_answer_ends_it_at_once(tmp_path)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(sock)
     listener.listen(1)
-    drv = subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--timeout", "20"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                           start_new_session=True)
+    drv = _start("driver", "--socket", sock, "--timeout", "20")
     try:
         listener.settimeout(20)
         _conn, _ = listener.accept()   # and never answers
@@ -251,11 +254,7 @@ def test_driver_ctrl_c_while_a_backend_does_not_answer_ends_it_at_once(tmp_path)
         assert drv.wait(10) == 130
         assert time.monotonic() - t0 < 3
     finally:
-        if drv.poll() is None:
-            drv.kill()
-            drv.wait()
-        err = drv.stderr.read()
-        drv.stderr.close()
+        err = _reap(drv)
         listener.close()
     assert "Traceback" not in err and "ProtocolTimeout" not in err, err
 

@@ -58,6 +58,13 @@ def start_conform_driver(sock, *args):
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
 
+def start_vring_driver(sock, *args, out=subprocess.PIPE):
+    """`vring driver --mode macfwd --drain 0` on ``sock``; ``out``: where its stdout and stderr go."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--mode", "macfwd",
+                             "--drain", "0", *args], stdout=out, stderr=out, env=env, cwd=ROOT)
+
+
 def wait_socket(path, proc, timeout=10):
     import stat
     import time
@@ -122,10 +129,7 @@ def test_conform_driver_against_vring_driver(tmp_path, packed):
     sock = str(tmp_path / "drv.sock")
     harness = start_conform_driver(sock, "--seconds", "4")
     wait_socket(sock, harness)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    drv = subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--mode", "macfwd",
-                            "--seconds", "30", "--drain", "0", "--packed" if packed else "--split"],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    drv = start_vring_driver(sock, "--seconds", "30", "--packed" if packed else "--split")
     rc, rep, err = finish(harness)
     drv.communicate(timeout=30)
     assert rep is not None, err
@@ -187,10 +191,7 @@ def test_conform_driver_that_leaves_early_is_no_pass(tmp_path):
     sock = str(tmp_path / "drv.sock")
     harness = start_conform_driver(sock, "--seconds", "4")
     wait_socket(sock, harness)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    drv = subprocess.Popen([sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--mode", "macfwd",
-                            "--seconds", "0.5", "--drain", "0"], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, env=env, cwd=ROOT)
+    drv = start_vring_driver(sock, "--seconds", "0.5", out=subprocess.DEVNULL)
     rc, rep, err = finish(harness)
     drv.wait(30)
     assert rc == 2 and rep["error"].startswith("PeerGone: the driver closed the connection"), (rc, rep, err)

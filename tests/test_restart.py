@@ -218,16 +218,29 @@ def _dies_at(monkeypatch, method, calls):
     return seen
 
 
+def _driver_while(backends_change, sock, packed, seconds):
+    """`vring driver --reconnect --verify` (in this process, macfwd, 64 frames) while ``backends_change()`` runs
+    in a thread; the thread is joined whatever happens. Returns the driver's counters."""
+    import threading
+
+    from virtio.app import DriverConfig, run
+    changer = threading.Thread(target=backends_change)
+    changer.start()
+    try:
+        return run(DriverConfig(socket=sock, reconnect=True, verify=True, mode="macfwd", count=64, seconds=seconds,
+                                packed=bool(packed), drain=0.1))
+    finally:
+        changer.join(20)
+
+
 @pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
 def test_backend_gone_before_the_rings_are_up_is_replaced(tmp_path, monkeypatch, packed):
     """--reconnect: a backend lost after the handshake and before the rings are started (SET_MEM_TABLE ..
     DRIVER_OK) is replaced like one lost during the handshake, on the first connection and on a reconnect
     (the driver used to exit with PeerGone); every frame is there at the end."""
-    from virtio.app import DriverConfig, run
     sock = str(tmp_path / "vh.sock")
     seen = _dies_at(monkeypatch, "set_mem_table", calls={1, 3})   # the first start, and the first restart's
     backends = [VhostProcess(sock, "--fwd", "macswap")]
-    killer = None
     try:
         backends[0].wait_socket()
 
@@ -237,14 +250,8 @@ def test_backend_gone_before_the_rings_are_up_is_replaced(tmp_path, monkeypatch,
             backends[-1].proc.wait(10)
             os.unlink(sock)
             backends.append(VhostProcess(sock, "--fwd", "macswap"))
-        import threading
-        killer = threading.Thread(target=kill_and_relaunch)
-        killer.start()
-        res = run(DriverConfig(socket=sock, reconnect=True, verify=True, mode="macfwd", count=64, seconds=4,
-                               packed=bool(packed), drain=0.1))
+        res = _driver_while(kill_and_relaunch, sock, packed, seconds=4)
     finally:
-        if killer is not None:
-            killer.join(20)
         for be in backends:
             be.__exit__()
     pop = res["verify"]["population"]
@@ -272,10 +279,9 @@ def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, 
     vrings refused ("used->idx ... past the region's used_idx"); packed, the third resumed at the area's stale
     position and traffic stopped. The area is dropped when a backend that will not keep it runs the rings; the
     next gets a fresh one (packed: the ring laid out afresh, as with no area)."""
-    from virtio.app import DriverConfig, run
     sock = str(tmp_path / "vh.sock")
     backends = [VhostProcess(sock, "--fwd", "macswap", verbose=True)]
-    untracked = killer = None
+    untracked = None
     try:
         backends[0].wait_socket()
 
@@ -292,14 +298,8 @@ def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, 
             untracked.wait(10)
             os.unlink(sock)
             backends.append(VhostProcess(sock, "--fwd", "macswap", verbose=True))
-        import threading
-        killer = threading.Thread(target=kill_and_relaunch)
-        killer.start()
-        res = run(DriverConfig(socket=sock, reconnect=True, verify=True, mode="macfwd", count=64, seconds=5,
-                               packed=bool(packed), drain=0.1))
+        res = _driver_while(kill_and_relaunch, sock, packed, seconds=5)
     finally:
-        if killer is not None:
-            killer.join(20)
         if untracked is not None and untracked.poll() is None:
             untracked.kill()
             untracked.wait()
