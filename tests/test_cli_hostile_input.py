@@ -14,6 +14,8 @@ exit status, nothing left behind, no traceback.
 * `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left);
 * `vring driver`: Ctrl-C while a backend does not answer the set-up ends it at once (it waited out --timeout);
 * `vring tap --max-sessions 0` is refused (it served nobody and exited 0);
+* a usage error exits 2 in every command (dump, tap and demo exited 1, demo took any --ring-size), and
+  `vring demo | head -1` is no error;
 * and what attack44 found in those fixes: a control socket's EPIPE is an error (only our stdout closing is
   quiet), a directory lock held elsewhere delays listen_unix a second at most, `vring driver --pcap` reports an
   error that shows only at close.
@@ -113,7 +115,7 @@ def _snapshot_file(tmp_path):
 def test_dump_checks_its_arguments_before_the_first_sample(tmp_path, args):
     f = _snapshot_file(tmp_path)
     p = _vring("dump", *[f if a == "F" else a for a in args])
-    _one_line(p, 1, "vring dump: --")
+    _one_line(p, 2, "vring dump: --")
     assert p.stdout == "", p.stdout   # nothing sampled first
 
 
@@ -263,8 +265,47 @@ def test_tap_refuses_to_serve_no_session(tmp_path):
     """`--max-sessions 0` exited 0 at once, having served nobody (`vring vhost --max-connections 0` is refused)."""
     p = _vring("tap", "--listen", str(tmp_path / "a.sock"), "--connect", str(tmp_path / "b.sock"),
                "--max-sessions", "0")
-    _one_line(p, 1, "vring tap: --max-sessions must be >= 1")
+    _one_line(p, 2, "vring tap: --max-sessions must be >= 1")
     assert not os.path.exists(tmp_path / "a.sock")
+
+
+_USAGE_ERRORS = [
+    (["dump", "--from", "F", "--count", "-1"], "vring dump: --count must be >= 0"),
+    (["dump", "--shm", "x"], "vring dump: --shm needs --fmt and --size"),
+    (["dump", "--shm", "x", "--fmt", "split", "--size", "8", "--desc", "0"], "vring dump: give all of --desc"),
+    (["tap", "--listen", "A", "--connect", "B", "--pcap-count", "-1"], "vring tap: --pcap-count must be >= 0"),
+    (["tap", "--listen", "A", "--connect", "B", "--peer-timeout", "nan"], "vring tap: --peer-timeout must be"),
+    (["tap", "--listen", "A"], "vring tap: give the frontend side"),
+    (["demo", "--count", "0"], "vring demo: --count and --burst must be positive"),
+    (["demo", "--ring-size", "100"], "vring demo: --ring-size: split queue size must be a power of 2"),
+    (["demo", "--ring-size", "40000"], "vring demo: --ring-size: queue size must be 1..32768"),
+]
+
+
+@pytest.mark.parametrize("args,says", _USAGE_ERRORS, ids=[" ".join(a) for a, _ in _USAGE_ERRORS])
+def test_a_usage_error_exits_2_in_every_command(tmp_path, args, says):
+    """driver, vhost, conform and bench exited 2 on a usage error; dump, tap and demo exited 1, the status of a
+    run that failed, and demo ran --ring-size 100 until its first split variant failed."""
+    f = _snapshot_file(tmp_path)
+    p = _vring(*[f if a == "F" else str(tmp_path / a) if a in ("A", "B") else a for a in args])
+    _one_line(p, 2, says)
+    assert p.stdout == "", p.stdout
+    assert not (tmp_path / "A").exists() and not (tmp_path / "B").exists()
+
+
+def test_demo_into_a_closed_pipe_is_no_error():
+    """`vring demo | head -1`: the pipe closes after the first variant; the demo ends quietly with 0 (it printed
+    a BrokenPipeError traceback, exit 1)."""
+    p = subprocess.Popen([sys.executable, "-m", "vring.cli", "demo", "--count", "20000"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    try:
+        first = p.stdout.readline()
+        p.stdout.close()   # `head -1` read its line and left
+        err = p.stderr.read()
+        rc = p.wait(120)
+    finally:
+        _reap(p)
+    assert first.startswith("split/normal") and rc == 0 and err == "", (first, rc, err)
 
 
 def test_dump_of_a_control_socket_whose_process_left_is_an_error(monkeypatch):

@@ -1,9 +1,14 @@
-"""`vring demo`: a driver process and a device process move numbered buffers over each ring variant."""
-import json
+"""`vring demo`: a driver process and a device process move numbered buffers over each ring variant.
 
-from rings.errors import VringError
+Exit status: 0 done (a reader that closed the pipe included), 1 a variant failed, 2 usage."""
+import json
+import sys
+
+from rings.errors import ConfigError, VringError
+from rings.layout import check_size
 from rings.interrupts import ending_like_ctrl_c
 from rings.twoproc import run_two_processes
+from vring.stdout import StdoutClosed, closed_quietly, out
 
 
 def register(sub):
@@ -17,12 +22,25 @@ def register(sub):
 
 def run(args):
     if args.count <= 0 or args.burst <= 0:
-        raise SystemExit("vring demo: --count and --burst must be positive")
+        return _usage_error(f"--count and --burst must be positive, not {args.count} and {args.burst}")
+    try:
+        for fmt in ("split", "packed"):   # every variant runs at this size: a split one needs a power of 2
+            check_size(fmt, args.ring_size)
+    except ConfigError as e:
+        return _usage_error(f"--ring-size: {e}")
     # SIGTERM / SIGHUP (a supervisor, a closed terminal) end the demo like Ctrl-C: the two child processes are
     # stopped and the shared-memory segment unlinked on the way out (exit 130), instead of dying at once and
     # leaving both behind
     with ending_like_ctrl_c():
-        return _run(args)
+        try:
+            return _run(args)
+        except StdoutClosed:   # `vring demo | head -1`: the reader has all it wanted
+            return closed_quietly()
+
+
+def _usage_error(what):
+    print(f"vring demo: {what}", file=sys.stderr)
+    return 2
 
 
 def _run(args):
@@ -37,8 +55,8 @@ def _run(args):
             r["variant"] = variant
             results.append(r)
             if not args.json:
-                print(f"{variant:17} {r['buffers']:>9} buffers in {r['seconds']:.2f}s "
-                      f"({r['rate'] / 1e6:.2f} M/s), each seen once by the device and returned once "
-                      f"to the driver; device calls {r['calls']}, driver kicks {r['kicks']}")
+                out(f"{variant:17} {r['buffers']:>9} buffers in {r['seconds']:.2f}s "
+                    f"({r['rate'] / 1e6:.2f} M/s), each seen once by the device and returned once "
+                    f"to the driver; device calls {r['calls']}, driver kicks {r['kicks']}")
     if args.json:
-        print(json.dumps(results, indent=2))
+        out(json.dumps(results, indent=2))

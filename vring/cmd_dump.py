@@ -12,6 +12,7 @@ Sources (one of):
   --diff A B             what changed between two raw snapshots
 Output: text (default) or --json; --watch SECONDS refreshes (the diagnoses compare with the sample since
 which nothing moved, to say "for T s"); --raw FILE also saves the raw snapshot (FILE-QUEUE for several).
+Exit status: 0 done (a reader that closed the pipe included), 1 a source that cannot be read or decoded, 2 usage.
 """
 import argparse
 import json
@@ -30,6 +31,7 @@ from rings.errors import VringError
 from rings.layout import VIRTIO_F_RING_PACKED, QueueLayout
 from rings.snapshot import format_snapshot
 from vhost.datapath import GuardedMemoryTable
+from vring.stdout import StdoutClosed, closed_quietly, out
 
 
 def _int(text):
@@ -65,10 +67,15 @@ def register(sub):
 
 
 def _check_args(args):
-    """Usage errors before any source is opened (ValueError)."""
+    """Usage errors, before any source is opened (ValueError; exit status 2 as in every other command)."""
     for opt, value in (("--shm", args.shm), ("--ctl", args.ctl), ("--from", args.from_file)):
         if value is not None and not value:
             raise ValueError(f"{opt} needs a non-empty value")
+    if args.shm is not None:
+        if args.fmt is None or args.size is None:
+            raise ValueError("--shm needs --fmt and --size")
+        if len({a is None for a in (args.desc, args.driver, args.device)}) > 1:
+            raise ValueError("give all of --desc, --driver, --device, or none (contiguous layout at --gpa)")
     if args.watch is not None and not (math.isfinite(args.watch) and 0 < args.watch <= 86400):
         raise ValueError(f"--watch must be a number of seconds in (0, 86400], not {args.watch}")
     if args.count < 0:
@@ -78,6 +85,10 @@ def _check_args(args):
 def run(args):
     try:
         _check_args(args)
+    except ValueError as e:
+        print(f"vring dump: {e}", file=sys.stderr)
+        return 2
+    try:
         if args.diff:
             return _diff(args)
         source = _source(args)
@@ -85,10 +96,9 @@ def run(args):
             return _loop(args, source)
         finally:
             source.close()
-    except _StdoutClosed:   # `vring dump ... | head`: the reader has all it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (no second error at exit's flush)
-        return 0
-    except (VringError, OSError, ValueError) as e:  # one line, exit status 1 (damaged files included)
+    except StdoutClosed:   # `vring dump ... | head`: the reader has all it wanted
+        return closed_quietly()
+    except (VringError, OSError, ValueError) as e:  # runtime: one line, exit status 1 (damaged files included)
         raise SystemExit("vring dump: " + " ".join(str(e).split()))
 
 
@@ -112,16 +122,12 @@ class _ShmSource:
     live = True
 
     def __init__(self, args):
-        if args.fmt is None or args.size is None:
-            raise ValueError("--shm needs --fmt and --size")
         features = args.features
         if features is None:
             features = 1 << VIRTIO_F_RING_PACKED if args.fmt == "packed" else 0
         addrs = (args.desc, args.driver, args.device)
         if all(a is None for a in addrs):
             self.layout = QueueLayout.contiguous(args.fmt, args.size, args.gpa)
-        elif any(a is None for a in addrs):
-            raise ValueError("give all of --desc, --driver, --device, or none (contiguous layout at --gpa)")
         else:
             self.layout = QueueLayout(args.fmt, args.size, *addrs)
         try:
@@ -185,7 +191,7 @@ def _loop(args, source):
     n = 0
     while True:
         samples = source.sample()
-        out = []
+        decoded = []
         for name, raw in samples:
             snap = raw.snapshot()
             prev = ref.get(name)
@@ -198,26 +204,12 @@ def _loop(args, source):
             if args.raw:
                 path = args.raw if len(samples) == 1 else f"{args.raw}-{_file_part(name)}"
                 raw.save(path)
-            out.append((name, raw, snap, findings))
-        _out(lambda: _print(args, out))
+            decoded.append((name, raw, snap, findings))
+        out(lambda: _print(args, decoded))
         n += 1
         if not args.watch or not source.live or (args.count and n >= args.count):
             return 0
         time.sleep(args.watch)
-
-
-class _StdoutClosed(Exception):
-    """Whoever reads our output closed it."""
-
-
-def _out(what):
-    """Print ``what`` (text, or a function that prints) and flush: a closed stdout is _StdoutClosed, apart from
-    the EPIPE of a control socket (its process left), which is an error."""
-    try:
-        what() if callable(what) else print(what)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise _StdoutClosed() from None
 
 
 def _file_part(name):
@@ -338,5 +330,5 @@ def _fmt_changes(d, prefix=""):
 def _diff(args):
     a, b = rawdump.load(args.diff[0]), rawdump.load(args.diff[1])
     d = diff_snapshots(a, b)
-    _out(json.dumps(d, indent=1) if args.json else format_diff(d))
+    out(json.dumps(d, indent=1) if args.json else format_diff(d))
     return 0

@@ -16,8 +16,11 @@ What it tells:
   --log FILE     every message both ways as JSON lines; `vring tap --decode FILE` prints them
   --pcap FILE    the frames crossing the rings (virtio-net header stripped), at most --pcap-count
   --notify-tap   the tap's own eventfds between the peers: every kick and call counted, timed, passed on
+
+Exit status: 0 served (or decoded a clean log), 1 a run-time error or a log line that would not decode, 2 usage.
 """
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -60,12 +63,14 @@ def run(args):
             raise SystemExit(f"vring tap: {e}")
         return 1 if bad else 0
     if not (args.listen or args.frontend_connect) or not (args.connect or args.backend_listen):
-        raise SystemExit("vring tap: give the frontend side (--listen A or --frontend-connect A) and the backend "
-                         "side (--connect B or --backend-listen B)")
+        return _usage_error("give the frontend side (--listen A or --frontend-connect A) and the backend "
+                            "side (--connect B or --backend-listen B)")
     if args.pcap_count < 0:
-        raise SystemExit("vring tap: --pcap-count must be >= 0")
+        return _usage_error(f"--pcap-count must be >= 0, not {args.pcap_count}")
     if args.max_sessions is not None and args.max_sessions < 1:   # 0: would serve nobody and exit 0
-        raise SystemExit(f"vring tap: --max-sessions must be >= 1, not {args.max_sessions}")
+        return _usage_error(f"--max-sessions must be >= 1, not {args.max_sessions}")
+    if not (math.isfinite(args.peer_timeout) and 0 < args.peer_timeout <= 86400):   # nan, <= 0: every frontend dropped
+        return _usage_error(f"--peer-timeout must be a number of seconds in (0, 86400], not {args.peer_timeout}")
     import logging
 
     from rings.pcap import PcapWriter
@@ -119,3 +124,8 @@ def run(args):
         if log is not None:
             log.close()
     return 0
+
+
+def _usage_error(what):
+    print(f"vring tap: {what}", file=sys.stderr)
+    return 2
