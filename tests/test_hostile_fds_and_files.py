@@ -179,6 +179,36 @@ def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
     assert not os.path.exists(sock)
 
 
+@pytest.mark.parametrize("part", ["header", "payload"])
+def test_vhost_stop_signal_is_not_held_by_a_message_stalled_half_way(tmp_path, part):
+    """A frontend that stops half-way through a message: SIGTERM to `vring vhost` ended it only when the receive
+    timed out (MSG_TIMEOUT, 5 s), the signal held that long. Now the exchange is abandoned at once: exit 0, socket
+    file removed, well before the receive would have given up."""
+    from vhost.server import MSG_TIMEOUT
+    sock = str(tmp_path / "vh.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        wait_for(sock, proc)
+        fe.connect(sock)
+        whole = vu.HEADER.pack(R.SET_FEATURES, vu.VERSION, 8) + vu.pack_u64(1 << 32)
+        fe.sendall(whole[:6] if part == "header" else whole[:vu.HEADER_SIZE + 3])
+        time.sleep(0.5)   # the server has seen the bytes and waits in its receive for the rest
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc, _, err = collect(proc, 20)
+        took = time.monotonic() - t0
+    finally:
+        fe.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0 and "Traceback" not in err, err
+    assert took < MSG_TIMEOUT / 2, f"the signal was held {took:.1f} s"
+    assert not os.path.exists(sock)
+
+
 def test_driver_memory_cannot_be_shrunk_by_the_backend(tmp_path, monkeypatch):
     """A backend that truncated the driver's shared memory after SET_MEM_TABLE killed `vring driver` with SIGBUS
     (exit 135). The memory is now a memfd whose size is sealed before its fd is sent: the truncation fails with

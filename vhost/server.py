@@ -14,6 +14,7 @@ server connects out and reconnects every ``reconnect_s``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,11 @@ log = logging.getLogger("vhost")
 
 MSG_TIMEOUT = 5.0   # a message that starts must complete within this (a stalled frontend is dropped)
 HANDSHAKE_TIMEOUT = 5.0   # a frontend must ask GET_FEATURES within this after connecting, or it is dropped
+
+
+class _Interrupted(BaseException):
+    """A stop signal came while a message was half received or half sent: that exchange is abandoned (a
+    BaseException, so that no handler of a bug of ours takes it for one)."""
 
 
 def _hung_up(sock):
@@ -68,6 +74,7 @@ class Server:
         self.ring_errors = 0
         self.totals: dict = {}
         self.stopping = False
+        self._exchanging = False          # inside a message's receive or reply: on_signal interrupts it
         self._next_connect = 0.0
         self.t0 = time.monotonic()
         self._next_stats = self.t0 + stats_interval if stats_interval > 0 else None
@@ -181,7 +188,8 @@ class Server:
     def _serve_one(self):
         conn = self.conn
         try:
-            msg = conn.recv(timeout=MSG_TIMEOUT)
+            with self._exchange():
+                msg = conn.recv(timeout=MSG_TIMEOUT)
         except PeerGone as e:
             self._drop(str(e))
             return
@@ -218,15 +226,28 @@ class Server:
         if isinstance(payload, Reply):   # a reply with fds (GET_INFLIGHT_FD): ours to close once sent
             payload, fds = payload.payload, payload.fds
         try:
-            if vu.has_reply(msg.request):
-                conn.send(vu.reply(msg, payload or b"", fds), timeout=MSG_TIMEOUT)
-            elif vu.wants_ack(msg):
-                conn.send(vu.ack(msg, True), timeout=MSG_TIMEOUT)
+            with self._exchange():
+                if vu.has_reply(msg.request):
+                    conn.send(vu.reply(msg, payload or b"", fds), timeout=MSG_TIMEOUT)
+                elif vu.wants_ack(msg):
+                    conn.send(vu.ack(msg, True), timeout=MSG_TIMEOUT)
         except (ProtocolError, VringError) as e:
             self._drop(f"cannot reply: {e}")
         finally:
             for fd in fds:
                 os.close(fd)
+
+    @contextlib.contextmanager
+    def _exchange(self):
+        """Around a blocking receive or send, which waits up to MSG_TIMEOUT for a frontend that stalled half-way
+        through a message: a stop signal then interrupts it (``on_signal``) instead of waiting that out."""
+        self._exchanging = True   # before the check: a signal between the two is seen by one or the other
+        try:
+            if self.stopping:
+                raise _Interrupted()
+            yield
+        finally:
+            self._exchanging = False
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -303,6 +324,9 @@ class Server:
             while not self.stopping:
                 try:
                     self.poll_once()
+                except _Interrupted:
+                    log.info("stopped inside a message exchange")
+                    break
                 except Exception as e:   # a bug of ours costs the connection, never the process
                     log.exception("internal error; dropping the connection")
                     self._drop(f"internal error: {type(e).__name__}: {e}")
@@ -317,7 +341,15 @@ class Server:
         return self.stats()
 
     def stop(self, *_):
+        """Stop serving at the loop's next check (from any thread)."""
         self.stopping = True
+
+    def on_signal(self, *_):
+        """The handler of a stop signal (main thread): as ``stop()``, and a message exchange in progress is
+        abandoned at once rather than waited out (up to MSG_TIMEOUT) for a frontend that stalled inside it."""
+        self.stopping = True
+        if self._exchanging:
+            raise _Interrupted()
 
     # -- counters --------------------------------------------------------------------------------
 

@@ -113,7 +113,7 @@ def run(args):
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # each ends it cleanly: the socket file goes too
-        signal.signal(s, server.stop)
+        signal.signal(s, server.on_signal)
     ctl = None
     try:   # a live socket at either path is never taken over: a clear error, exit 2
         server.open()
