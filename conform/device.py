@@ -1166,16 +1166,27 @@ class DeviceHarness:
         """MRG_RXBUF: how many of the used buffers from ``items[i]`` on frame ``seq`` (stamped in the first buffer,
         after a header of hdr + ``shift`` bytes) spans: header + frame length against the bytes the entries
         cover. None when the frame is not one of ours, or the visible entries do not hold all of it (not all
-        published, or the device wrote less than the frame: judged by num_buffers and by the frame itself)."""
+        published, or the device wrote less than the frame: judged by num_buffers and by the frame itself). A
+        buffer that begins the next packet ends the search: used lens short of the frame are the len row's
+        failure, not a reason to count the next packet's buffers in (and fail num_buffers, the next packet...)."""
         need = self.hdr + shift + self.sent_len[seq] if seq in self.sent_len else None
         if need is None:
             return None
         have = 0
         for m, (x, xl, _s) in enumerate(items[i:], 1):
+            if m > 1 and self._starts_frame(x, xl):
+                return None
             have += min(xl, x.wlen)
             if have >= need:
                 return m
         return None
+
+    def _starts_frame(self, b, ln):
+        """Rx buffer ``b``, used with ``ln`` bytes, begins a packet: a header, then the stamp of a frame this run
+        sent."""
+        end = self.hdr + frames.STAMP_OFF + frames.STAMP.size
+        return min(ln, b.wlen) >= end and frames.stamp_of(self._rx_bytes(b, end)[self.hdr:],
+                                                          self.run_id) in self.sent_len
 
     def _num_buffers_evidence(self, items, i, nb, span, seq, shift):
         bufs = items[i:i + max(span, min(nb, len(items) - i))]

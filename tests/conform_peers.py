@@ -27,7 +27,8 @@
   bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02), ``rx-skip``
   (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
   of the buffer that holds the frame: INORDER-10), ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets,
-  every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12), on split
+  every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12),
+  ``rx-batch-len-1`` (the same, the batch entry's len one byte short of what was written), on split
   rings ``rx-pair-short`` (no MRG_RXBUF: one used entry for every two frames' Rx buffers, the first buffer skipped
   though its frame is shorter than the buffer: INORDER-10), ``len-late`` (used entries published with the
   id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
@@ -261,7 +262,7 @@ class _LoopQueues:
         for i, v in enumerate(dev.vrings):
             layout = dev._layout(v, v.addr)
             q = DeviceQueue(dev.cmem, layout, dev.features,
-                            in_order_batch=fault in ("rx-skip", "rx-batch-len+1") and i == RX)
+                            in_order_batch=fault in ("rx-skip", "rx-batch-len+1", "rx-batch-len-1") and i == RX)
             q.set_base(v.base)
             self.q.append(q)
             self.views.append(view_for(dev.mem, layout))
@@ -469,6 +470,9 @@ class _LoopQueues:
         rx = self.q[RX]
         if self.fault == "rx-batch-len+1" and len(ids) > 1 and lens[-1] < bufs[-1][2]:
             lens[-1] += 1   # the batch entry (the last buffer's): one byte more than was written
+            self.faults += 1
+        if self.fault == "rx-batch-len-1" and len(ids) > 1 and lens[-1] > 1:
+            lens[-1] -= 1   # the batch entry: one byte less than was written
             self.faults += 1
         if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor
             self.views[RX].desc["len"][ids] = lens
