@@ -1117,6 +1117,8 @@ class DeviceHarness:
                         r.check("NET-29", nb == span, lambda: self._num_buffers_evidence(items, i, nb, span, sseq,
                                                                                          shift))
                     nb = span
+                elif shift < 0:   # a header too short to hold num_buffers (NET-03 below), the frame not all
+                    nb = len(items) - i   # there: its packet is what is visible (no next packet begins in it)
                 elif not r.check("NET-29", nb >= 1, f"rx: num_buffers {nb} in buffer {b.id}"):
                     nb = 1
             else:
@@ -1167,26 +1169,27 @@ class DeviceHarness:
         after a header of hdr + ``shift`` bytes) spans: header + frame length against the bytes the entries
         cover. None when the frame is not one of ours, or the visible entries do not hold all of it (not all
         published, or the device wrote less than the frame: judged by num_buffers and by the frame itself). A
-        buffer that begins the next packet ends the search: used lens short of the frame are the len row's
-        failure, not a reason to count the next packet's buffers in (and fail num_buffers, the next packet...)."""
+        buffer that begins the next packet ends the span before it: used lens short of the frame are the len
+        row's failure, not a reason to count the next packet's buffers in (and fail num_buffers, the next
+        packet, ...), nor to fall back on a num_buffers a header of another size does not have."""
         need = self.hdr + shift + self.sent_len[seq] if seq in self.sent_len else None
         if need is None:
             return None
         have = 0
         for m, (x, xl, _s) in enumerate(items[i:], 1):
-            if m > 1 and self._starts_frame(x, xl):
-                return None
+            if m > 1 and self._starts_frame(x, xl, shift):
+                return m - 1
             have += min(xl, x.wlen)
             if have >= need:
                 return m
         return None
 
-    def _starts_frame(self, b, ln):
-        """Rx buffer ``b``, used with ``ln`` bytes, begins a packet: a header, then the stamp of a frame this run
-        sent."""
-        end = self.hdr + frames.STAMP_OFF + frames.STAMP.size
-        return min(ln, b.wlen) >= end and frames.stamp_of(self._rx_bytes(b, end)[self.hdr:],
-                                                          self.run_id) in self.sent_len
+    def _starts_frame(self, b, ln, shift=0):
+        """Rx buffer ``b``, used with ``ln`` bytes, begins a packet: a header of hdr + ``shift`` bytes (the size
+        the device writes them), then the stamp of a frame this run sent."""
+        size = self.hdr + shift
+        end = size + frames.STAMP_OFF + frames.STAMP.size
+        return min(ln, b.wlen) >= end and frames.stamp_of(self._rx_bytes(b, end)[size:], self.run_id) in self.sent_len
 
     def _num_buffers_evidence(self, items, i, nb, span, seq, shift):
         bufs = items[i:i + max(span, min(nb, len(items) - i))]

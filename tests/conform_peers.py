@@ -28,7 +28,8 @@
   (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
   of the buffer that holds the frame: INORDER-10), ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets,
   every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12),
-  ``rx-batch-len-1`` (the same, the batch entry's len one byte short of what was written), on split
+  ``rx-batch-len-1`` (the same, the batch entry's len one byte short of what was written), ``hdr10-len-1``
+  (a 10-byte header, and the last buffer's len of a merged packet one byte short), on split
   rings ``rx-pair-short`` (no MRG_RXBUF: one used entry for every two frames' Rx buffers, the first buffer skipped
   though its frame is shorter than the buffer: INORDER-10), ``len-late`` (used entries published with the
   id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
@@ -420,7 +421,7 @@ class _LoopQueues:
 
     def _receive(self, frame):
         """Write one frame into the Rx buffers at hand (merged with MRG_RXBUF). False: not enough buffers yet."""
-        hsize = {"hdr20": 20, "hdr10": 10}.get(self.fault, self.hdr)   # hdr20/hdr10: a header of another size
+        hsize = {"hdr20": 20, "hdr10": 10, "hdr10-len-1": 10}.get(self.fault, self.hdr)   # another header size
         need = hsize + len(frame)
         skip = 1 if self.fault == "rx-skip" and self.in_order and self.nframes % 3 == 2 else 0
         take, room = 0, 0
@@ -471,8 +472,8 @@ class _LoopQueues:
         if self.fault == "rx-batch-len+1" and len(ids) > 1 and lens[-1] < bufs[-1][2]:
             lens[-1] += 1   # the batch entry (the last buffer's): one byte more than was written
             self.faults += 1
-        if self.fault == "rx-batch-len-1" and len(ids) > 1 and lens[-1] > 1:
-            lens[-1] -= 1   # the batch entry: one byte less than was written
+        if self.fault in ("rx-batch-len-1", "hdr10-len-1") and len(ids) > 1 and lens[-1] > 1:
+            lens[-1] -= 1   # the batch entry (the last buffer's): one byte less than was written
             self.faults += 1
         if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor
             self.views[RX].desc["len"][ids] = lens

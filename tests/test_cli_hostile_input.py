@@ -14,8 +14,8 @@ exit status, nothing left behind, no traceback.
 * `vring conform driver` on SIGTERM / SIGHUP cleans up as on Ctrl-C (its socket file was left);
 * `vring driver`: Ctrl-C while a backend does not answer the set-up ends it at once (it waited out --timeout);
 * `vring tap --max-sessions 0` is refused (it served nobody and exited 0);
-* a usage error exits 2 in every command (dump, tap and demo exited 1, demo took any --ring-size), and
-  `vring demo | head -1` is no error;
+* a usage error exits 2 in every command (dump, tap and demo exited 1, demo took any --ring-size), also with
+  stderr closed, and `vring demo | head -1`, `vring tap --decode LOG | head`, a closed stdout are no error;
 * and what attack44 found in those fixes: a control socket's EPIPE is an error (only our stdout closing is
   quiet), a directory lock held elsewhere delays listen_unix a second at most, `vring driver --pcap` reports an
   error that shows only at close.
@@ -276,9 +276,18 @@ _USAGE_ERRORS = [
     (["tap", "--listen", "A", "--connect", "B", "--pcap-count", "-1"], "vring tap: --pcap-count must be >= 0"),
     (["tap", "--listen", "A", "--connect", "B", "--peer-timeout", "nan"], "vring tap: --peer-timeout must be"),
     (["tap", "--listen", "A"], "vring tap: give the frontend side"),
-    (["demo", "--count", "0"], "vring demo: --count and --burst must be positive"),
+    (["demo", "--count", "0"], "vring demo: --count must be in 1..2^63-1 and --burst in"),
     (["demo", "--ring-size", "100"], "vring demo: --ring-size: split queue size must be a power of 2"),
     (["demo", "--ring-size", "40000"], "vring demo: --ring-size: queue size must be 1..32768"),
+    # found by attack50: exit 1, or a run that failed, or a dump whose --raw it could not read back
+    (["dump", "--shm", "x", "--fmt", "split", "--size", "3"], "vring dump: split queue size must be a power of 2"),
+    (["dump", "--shm", "x", "--fmt", "split", "--size", "8", "--gpa", "-16"], "vring dump: --gpa must be in"),
+    (["dump", "--shm", "x", "--fmt", "split", "--size", "8", "--features", "-1"], "vring dump: --features must be"),
+    (["dump", "--from", "F", "--raw", ""], "vring dump: --raw needs a non-empty value"),
+    (["demo", "--burst", "99999999999"], "vring demo: --count must be in 1..2^63-1 and --burst in 1..32768"),
+    (["tap", "--listen", "A", "--backend-listen", "A"], "vring tap: the frontend's, the backend's and the --ctl"),
+    (["tap", "--listen", "A", "--connect", "B", "--ctl", "A"], "vring tap: the frontend's, the backend's and the"),
+    (["tap", "--listen", "A", "--connect", "B", "--ctl", ""], "vring tap: a socket or file option needs a non-empty"),
 ]
 
 
@@ -291,6 +300,49 @@ def test_a_usage_error_exits_2_in_every_command(tmp_path, args, says):
     _one_line(p, 2, says)
     assert p.stdout == "", p.stdout
     assert not (tmp_path / "A").exists() and not (tmp_path / "B").exists()
+
+
+def _stderr_unwritable():
+    """What `2>&-` through a shell script (pyenv's shim) leaves: fd 2 open, but not for writing."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 2)
+
+
+def test_a_usage_error_with_stderr_closed_still_exits_2(tmp_path):
+    """Found by attack50: `2>&-` made the usage error's line an OSError (EBADF), exit 1."""
+    for args in (["demo", "--count", "0"], ["dump", "--from", "x", "--count", "-1"], ["tap", "--listen", "A"]):
+        p = subprocess.run([sys.executable, "-m", "vring.cli", *args], stdout=subprocess.PIPE, env=_env(),
+                           cwd=tmp_path, timeout=60, preexec_fn=_stderr_unwritable)
+        assert p.returncode == 2, (args, p.returncode)
+
+
+@pytest.mark.parametrize("how", ["closed", "full"])
+def test_output_that_cannot_be_written_is_one_line_or_quiet(tmp_path, how):
+    """Found by attack50: with stdout closed (`>&-`) demo and dump ended in an AttributeError traceback (exit 1);
+    on a full disk (/dev/full) demo did in an OSError one. Now a closed stdout is quiet as a closed pipe (0), a
+    full one a one-line error (1)."""
+    f = _snapshot_file(tmp_path)
+    for args in (["demo", "--count", "2000"], ["demo", "--count", "2000", "--json"], ["dump", "--from", f]):
+        with open("/dev/full", "w") as full:
+            p = subprocess.run([sys.executable, "-m", "vring.cli", *args], stderr=subprocess.PIPE, text=True,
+                               env=_env(), cwd=ROOT, timeout=120,
+                               **({"preexec_fn": lambda: os.close(1)} if how == "closed" else {"stdout": full}))
+        if how == "closed":
+            assert p.returncode == 0 and p.stderr == "", (args, p.returncode, p.stderr)
+        else:
+            _one_line(p, 1, f"vring {args[0]}: ")
+            assert "No space left on device" in p.stderr, p.stderr
+
+
+def test_tap_decode_into_a_closed_pipe_is_no_error(tmp_path):
+    """Found by attack50: `vring tap --decode LOG | head -1` said "[Errno 32] Broken pipe", exit 1."""
+    log = tmp_path / "t.log"
+    log.write_text("".join(f'{{"t": 1.0, "seq": {n}, "conn": 1, "event": "connected"}}\n' for n in range(20000)))
+    r, w = os.pipe()
+    os.close(r)
+    p = subprocess.run([sys.executable, "-m", "vring.cli", "tap", "--decode", str(log)], stdout=w,
+                       stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT, timeout=60)
+    os.close(w)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
 
 
 def test_demo_into_a_closed_pipe_is_no_error():

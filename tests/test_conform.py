@@ -491,6 +491,16 @@ def test_conform_device_split_v_11_packed_v_12_blame_a_batch_entry_len_one_short
     assert rows(rep)["NET-29"]["status"] == "pass" and rows(rep)["INORDER-10"]["status"] == "pass", f
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_conform_device_net_03_alone_when_a_short_len_meets_a_header_of_another_size(tmp_path, packed):
+    """Found by attack50: the next packet's start was looked for after a header of the negotiated size, not the
+    size the device writes; with a 10-byte header and a merged packet's last len one byte short, the next
+    packet's buffers were counted in again: NET-30/31/33-35 (frame bytes read as a header), PACKED-V-16/18."""
+    rep, f = run_loop_device(tmp_path, "hdr10-len-1", "--in-order", "--mrg-rxbuf", "--scenarios", "mergeable",
+                             packed=packed)
+    assert "NET-03" in f and not set(f) - {"NET-03", "PACKED-V-12" if packed else "SPLIT-V-11"}, f
+
+
 def test_conform_device_inorder_10_catches_a_skipped_buffer_holding_a_short_frame(tmp_path):
     """Found by attack44, a regression of the len blame above: a skipped buffer (one used entry for two frames'
     buffers, no MRG_RXBUF) holding a frame shorter than the buffer is what INORDER-10 forbids; its canary tail

@@ -179,11 +179,26 @@ def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
     assert not os.path.exists(sock)
 
 
-@pytest.mark.parametrize("part", ["header", "payload"])
+def _nacks_never_read(fe):
+    """Messages the server refuses with a NACK (SET_FEATURES with a 3-byte payload, NEED_REPLY), sent until the
+    socket is full: the NACKs are never read, so the server's send of one blocks (attack50)."""
+    fe.sendall(vu.HEADER.pack(R.GET_FEATURES, vu.VERSION, 0))
+    fe.setblocking(False)
+    bad = vu.HEADER.pack(R.SET_FEATURES, vu.VERSION | vu.NEED_REPLY, 3) + bytes(3)
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        try:
+            fe.send(bad)
+        except BlockingIOError:
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("part", ["header", "payload", "nack"])
 def test_vhost_stop_signal_is_not_held_by_a_message_stalled_half_way(tmp_path, part):
     """A frontend that stops half-way through a message: SIGTERM to `vring vhost` ended it only when the receive
     timed out (MSG_TIMEOUT, 5 s), the signal held that long. Now the exchange is abandoned at once: exit 0, socket
-    file removed, well before the receive would have given up."""
+    file removed, well before the receive would have given up. The same for a NACK the frontend does not read
+    (attack50: only the replies had it)."""
     from vhost.server import MSG_TIMEOUT
     sock = str(tmp_path / "vh.sock")
     proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
@@ -193,7 +208,10 @@ def test_vhost_stop_signal_is_not_held_by_a_message_stalled_half_way(tmp_path, p
         wait_for(sock, proc)
         fe.connect(sock)
         whole = vu.HEADER.pack(R.SET_FEATURES, vu.VERSION, 8) + vu.pack_u64(1 << 32)
-        fe.sendall(whole[:6] if part == "header" else whole[:vu.HEADER_SIZE + 3])
+        if part == "nack":
+            _nacks_never_read(fe)
+        else:
+            fe.sendall(whole[:6] if part == "header" else whole[:vu.HEADER_SIZE + 3])
         time.sleep(0.5)   # the server has seen the bytes and waits in its receive for the rest
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)

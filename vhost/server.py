@@ -178,7 +178,8 @@ class Server:
         if msg.need_reply:
             log.error("refused %s: %s (NACK)", msg.name, why)
             try:
-                self.conn.send(vu.ack(msg, ok=False), timeout=MSG_TIMEOUT)
+                with self._exchange():
+                    self.conn.send(vu.ack(msg, ok=False), timeout=MSG_TIMEOUT)
             except (ProtocolError, VringError) as e:
                 self._drop(f"cannot send the NACK: {e}")
         else:

@@ -2,13 +2,12 @@
 
 Exit status: 0 done (a reader that closed the pipe included), 1 a variant failed, 2 usage."""
 import json
-import sys
 
 from rings.errors import ConfigError, VringError
-from rings.layout import check_size
+from rings.layout import MAX_QUEUE_SIZE, check_size
 from rings.interrupts import ending_like_ctrl_c
 from rings.twoproc import run_two_processes
-from vring.stdout import StdoutClosed, closed_quietly, out
+from vring.stdout import StdoutClosed, closed_quietly, out, usage_error
 
 
 def register(sub):
@@ -21,13 +20,14 @@ def register(sub):
 
 
 def run(args):
-    if args.count <= 0 or args.burst <= 0:
-        return _usage_error(f"--count and --burst must be positive, not {args.count} and {args.burst}")
+    if not (0 < args.count < 1 << 63 and 0 < args.burst <= MAX_QUEUE_SIZE):   # (a burst is at most a ring)
+        return usage_error("vring demo", f"--count must be in 1..2^63-1 and --burst in 1..{MAX_QUEUE_SIZE}, not "
+                                         f"{args.count} and {args.burst}")
     try:
         for fmt in ("split", "packed"):   # every variant runs at this size: a split one needs a power of 2
             check_size(fmt, args.ring_size)
     except ConfigError as e:
-        return _usage_error(f"--ring-size: {e}")
+        return usage_error("vring demo", f"--ring-size: {e}")
     # SIGTERM / SIGHUP (a supervisor, a closed terminal) end the demo like Ctrl-C: the two child processes are
     # stopped and the shared-memory segment unlinked on the way out (exit 130), instead of dying at once and
     # leaving both behind
@@ -36,11 +36,8 @@ def run(args):
             return _run(args)
         except StdoutClosed:   # `vring demo | head -1`: the reader has all it wanted
             return closed_quietly()
-
-
-def _usage_error(what):
-    print(f"vring demo: {what}", file=sys.stderr)
-    return 2
+        except OSError as e:   # stdout on a full disk
+            raise SystemExit(f"vring demo: {e}") from None
 
 
 def _run(args):

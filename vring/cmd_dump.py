@@ -19,7 +19,6 @@ import json
 import math
 import mmap
 import os
-import sys
 import time
 
 import posix_ipc
@@ -31,7 +30,7 @@ from rings.errors import VringError
 from rings.layout import VIRTIO_F_RING_PACKED, QueueLayout
 from rings.snapshot import format_snapshot
 from vhost.datapath import GuardedMemoryTable
-from vring.stdout import StdoutClosed, closed_quietly, out
+from vring.stdout import StdoutClosed, closed_quietly, out, usage_error
 
 
 def _int(text):
@@ -68,26 +67,37 @@ def register(sub):
 
 def _check_args(args):
     """Usage errors, before any source is opened (ValueError; exit status 2 as in every other command)."""
-    for opt, value in (("--shm", args.shm), ("--ctl", args.ctl), ("--from", args.from_file)):
+    for opt, value in (("--shm", args.shm), ("--ctl", args.ctl), ("--from", args.from_file), ("--raw", args.raw)):
         if value is not None and not value:
             raise ValueError(f"{opt} needs a non-empty value")
     if args.shm is not None:
         if args.fmt is None or args.size is None:
             raise ValueError("--shm needs --fmt and --size")
-        if len({a is None for a in (args.desc, args.driver, args.device)}) > 1:
-            raise ValueError("give all of --desc, --driver, --device, or none (contiguous layout at --gpa)")
+        for opt, value in (("--gpa", args.gpa), ("--desc", args.desc), ("--driver", args.driver),
+                           ("--device", args.device), ("--features", args.features)):
+            if value is not None and not 0 <= value < 1 << 64:
+                raise ValueError(f"{opt} must be in 0..2^64-1, not {value:#x}")
+        _shm_layout(args)   # size, alignment (a ConfigError is a ValueError)
     if args.watch is not None and not (math.isfinite(args.watch) and 0 < args.watch <= 86400):
         raise ValueError(f"--watch must be a number of seconds in (0, 86400], not {args.watch}")
     if args.count < 0:
         raise ValueError(f"--count must be >= 0 (0: no limit), not {args.count}")
 
 
+def _shm_layout(args):
+    addrs = (args.desc, args.driver, args.device)
+    if all(a is None for a in addrs):
+        return QueueLayout.contiguous(args.fmt, args.size, args.gpa)
+    if any(a is None for a in addrs):
+        raise ValueError("give all of --desc, --driver, --device, or none (contiguous layout at --gpa)")
+    return QueueLayout(args.fmt, args.size, *addrs)
+
+
 def run(args):
     try:
         _check_args(args)
     except ValueError as e:
-        print(f"vring dump: {e}", file=sys.stderr)
-        return 2
+        return usage_error("vring dump", e)
     try:
         if args.diff:
             return _diff(args)
@@ -125,11 +135,7 @@ class _ShmSource:
         features = args.features
         if features is None:
             features = 1 << VIRTIO_F_RING_PACKED if args.fmt == "packed" else 0
-        addrs = (args.desc, args.driver, args.device)
-        if all(a is None for a in addrs):
-            self.layout = QueueLayout.contiguous(args.fmt, args.size, args.gpa)
-        else:
-            self.layout = QueueLayout(args.fmt, args.size, *addrs)
+        self.layout = _shm_layout(args)
         try:
             shm = posix_ipc.SharedMemory(args.shm, read_only=True)
         except posix_ipc.Error as e:

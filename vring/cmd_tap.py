@@ -21,12 +21,14 @@ Exit status: 0 served (or decoded a clean log), 1 a run-time error or a log line
 """
 import argparse
 import math
+import os
 import signal
 import sys
 import threading
 
 from rings.ctl import ControlServer
 from rings.errors import VringError
+from vring.stdout import closed_quietly, usage_error
 
 
 def register(sub):
@@ -57,20 +59,34 @@ def register(sub):
 def run(args):
     if args.decode:
         from tap.msglog import decode_file
+        if sys.stdout is None:   # `>&-`: as a reader that closed the pipe
+            return closed_quietly()
         try:
             bad = decode_file(args.decode, sys.stdout)
+            sys.stdout.flush()
+        except BrokenPipeError:   # `vring tap --decode LOG | head` (only stdout can be a pipe here)
+            return closed_quietly()
         except OSError as e:
             raise SystemExit(f"vring tap: {e}")
         return 1 if bad else 0
     if not (args.listen or args.frontend_connect) or not (args.connect or args.backend_listen):
-        return _usage_error("give the frontend side (--listen A or --frontend-connect A) and the backend "
-                            "side (--connect B or --backend-listen B)")
+        return usage_error("vring tap", "give the frontend side (--listen A or --frontend-connect A) and the "
+                                        "backend side (--connect B or --backend-listen B)")
     if args.pcap_count < 0:
-        return _usage_error(f"--pcap-count must be >= 0, not {args.pcap_count}")
+        return usage_error("vring tap", f"--pcap-count must be >= 0, not {args.pcap_count}")
     if args.max_sessions is not None and args.max_sessions < 1:   # 0: would serve nobody and exit 0
-        return _usage_error(f"--max-sessions must be >= 1, not {args.max_sessions}")
+        return usage_error("vring tap", f"--max-sessions must be >= 1, not {args.max_sessions}")
+    given = [p for p in (args.listen, args.frontend_connect, args.connect, args.backend_listen, args.ctl, args.log,
+                         args.pcap) if p is not None]
+    if "" in given:
+        return usage_error("vring tap", "a socket or file option needs a non-empty path")
+    paths = [os.path.abspath(p) for p in given]
+    if len(set(paths)) < len(paths):   # the tap would find itself listening there, talk to itself, or write a log
+        return usage_error("vring tap", "the frontend's, the backend's and the --ctl socket, --log and --pcap "
+                                        "each need a path of their own")
     if not (math.isfinite(args.peer_timeout) and 0 < args.peer_timeout <= 86400):   # nan, <= 0: every frontend dropped
-        return _usage_error(f"--peer-timeout must be a number of seconds in (0, 86400], not {args.peer_timeout}")
+        return usage_error("vring tap", f"--peer-timeout must be a number of seconds in (0, 86400], not "
+                                        f"{args.peer_timeout}")
     import logging
 
     from rings.pcap import PcapWriter
@@ -125,7 +141,3 @@ def run(args):
             log.close()
     return 0
 
-
-def _usage_error(what):
-    print(f"vring tap: {what}", file=sys.stderr)
-    return 2

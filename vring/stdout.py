@@ -1,23 +1,48 @@
-"""Our standard output as a pipe's writer: `vring dump ... | head` and `vring demo | head -1` are no error."""
+"""Our standard streams as a pipe's writer: `vring dump ... | head`, `vring demo | head -1` and
+`vring tap --decode LOG | head` are no error; a closed or failing stream never turns an exit status into a
+traceback's."""
 import os
 import sys
 
 
 class StdoutClosed(Exception):
-    """Whoever reads our output closed it."""
+    """Whoever reads our output closed it (or there was no stdout to begin with: `>&-`)."""
 
 
 def out(what):
-    """Print ``what`` (text, or a function that prints) and flush: a closed stdout is StdoutClosed (only ours:
-    the EPIPE of a socket raised while ``what`` runs is a BrokenPipeError too, so callers keep sockets out)."""
+    """Print ``what`` (text, or a function that prints) and flush. A closed stdout is StdoutClosed (only ours:
+    the EPIPE of a socket raised while ``what`` runs is a BrokenPipeError too, so callers keep sockets out);
+    any other failure to write (a full disk) is an OSError that says so."""
+    if sys.stdout is None:
+        raise StdoutClosed()
     try:
         what() if callable(what) else print(what)
         sys.stdout.flush()
     except BrokenPipeError:
         raise StdoutClosed() from None
+    except OSError as e:
+        _stdout_to_devnull()   # what is still buffered would fail again at exit, as a second error
+        raise OSError(f"cannot write the output: {e.strerror or e}") from None
 
 
 def closed_quietly():
-    """After StdoutClosed: exit status 0 with no second error when the interpreter flushes stdout at exit."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """After StdoutClosed: exit status 0, with no second error when the interpreter flushes stdout at exit."""
+    _stdout_to_devnull()
     return 0
+
+
+def _stdout_to_devnull():
+    fd = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(fd, 1)
+    finally:
+        os.close(fd)
+
+
+def usage_error(prog, what):
+    """A usage error: one line on stderr, if it can be written; exit status 2 whatever happens to the line."""
+    try:
+        print(f"{prog}: {what}", file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):   # stderr closed (`2>&-`), or None
+        pass
+    return 2
