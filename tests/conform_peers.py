@@ -9,8 +9,8 @@
   ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it;
   split or packed rings).
 * ``LoopDevice``: a small looping backend in Python (split or packed rings, VERSION_1, IN_ORDER, MRG_RXBUF,
-  EVENT_IDX offered) for the device harness's Rx rows, with one fault on: ``num-buffers+1`` (a merged packet's
-  num_buffers one too high), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
+  EVENT_IDX offered) for the device harness's Rx rows, with one fault on: ``num-buffers+1`` / ``num-buffers-1`` (a merged
+  packet's num_buffers one too high / low), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
   used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as
   used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written: the frame never
   is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``stamp-run`` (one
@@ -440,7 +440,7 @@ class _LoopQueues:
             lens.append(wlen)
             self.faults += 1
         bufs = [self.rx_free.popleft() for _ in range(take)]
-        nb = take + 1 if self.fault == "num-buffers+1" and take > 1 else take
+        nb = take + {"num-buffers+1": 1, "num-buffers-1": -1}.get(self.fault, 0) if take > 1 else take
         self.faults += nb != take
         hdr = (frames.net_hdr(num_buffers=nb) + bytes(8))[:hsize]   # (num_buffers right, where there is one)
         self.faults += hsize != self.hdr

@@ -247,6 +247,14 @@ def test_conform_device_net_29_catches_num_buffers_one_too_high(tmp_path):
     assert r["NET-30"]["passes"] and r["NET-31"]["passes"], (r["NET-30"], r["NET-31"])
 
 
+def test_conform_device_net_29_catches_num_buffers_one_too_low(tmp_path):
+    """The mirror: num_buffers one below the buffers the frame fills. NET-29 alone fails, naming the span; the
+    buffer it leaves out is not taken for the next packet (no length row, NET-30/31 or data cascade)."""
+    rep, f = conform_loop_device(tmp_path, "num-buffers-1", "--mrg-rxbuf", "--scenarios", "batches,mergeable")
+    assert set(f) == {"NET-29"}, f
+    assert "spans" in f["NET-29"][0], f
+
+
 def test_conform_device_inorder_08_catches_batch_entry_at_last_slot(tmp_path):
     """An IN_ORDER Tx batch's entry written at the batch's last used slot (used idx moved by the batch): the
     first slot still holds the harness's canary; INORDER-08 names both slots, and the run goes on."""
