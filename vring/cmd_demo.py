@@ -4,8 +4,8 @@ Exit status: 0 done (a reader that closed the pipe included), 1 a variant failed
 import json
 
 from rings.errors import ConfigError, VringError
-from rings.layout import MAX_QUEUE_SIZE, check_size
 from rings.interrupts import ending_like_ctrl_c
+from rings.layout import MAX_QUEUE_SIZE, check_size
 from rings.twoproc import run_two_processes
 from vring.stdout import StdoutClosed, closed_quietly, out, usage_error
 

@@ -81,7 +81,7 @@ def run(args):
     if "" in given:
         return usage_error("vring tap", "a socket or file option needs a non-empty path")
     paths = [os.path.abspath(p) for p in given]
-    if len(set(paths)) < len(paths):   # the tap would find itself listening there, talk to itself, or write a log
+    if len(set(paths)) < len(paths):   # the tap would meet itself there, or write a file over its socket
         return usage_error("vring tap", "the frontend's, the backend's and the --ctl socket, --log and --pcap "
                                         "each need a path of their own")
     if not (math.isfinite(args.peer_timeout) and 0 < args.peer_timeout <= 86400):   # nan, <= 0: every frontend dropped
@@ -140,4 +140,3 @@ def run(args):
         if log is not None:
             log.close()
     return 0
-
