@@ -9,35 +9,35 @@
   ``late-write`` (the length of a published descriptor is changed a few ms later, while the device holds it;
   split or packed rings).
 * ``LoopDevice``: a small looping backend in Python (split or packed rings, VERSION_1, IN_ORDER, MRG_RXBUF,
-  EVENT_IDX offered) for the device harness's Rx rows, with one fault on: ``num-buffers+1`` / ``num-buffers-1`` (a merged
-  packet's num_buffers one too high / low), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at the batch's last
-  used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its readable length as
-  used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written: the frame never
-  is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed), ``stamp-run`` (one
-  bit of the stamp's run id flipped: SPLIT-V-09 / MEM-07), ``hdr20`` / ``hdr10`` (the frame after a 20-byte
-  header, the HASH_REPORT layout, or after the legacy 10-byte one, neither negotiated; num_buffers right:
+  EVENT_IDX offered) for the device harness's Rx rows, with one fault on: ``num-buffers+1`` / ``num-buffers-1`` (a
+  merged packet's num_buffers one too high / low), ``batch-last`` (an IN_ORDER Tx batch's one used entry written at
+  the batch's last used slot, used idx still moved by the batch), ``tx-len`` (a Tx buffer completed with its
+  readable length as used len), ``hdr-only`` (an Rx buffer used with len header + frame, only the header written:
+  the frame never is), ``stamp`` (each frame delivered with the first byte of the harness's stamp changed),
+  ``stamp-run`` (one bit of the stamp's run id flipped: SPLIT-V-09 / MEM-07), ``hdr20`` / ``hdr10`` (the frame after
+  a 20-byte header, the HASH_REPORT layout, or after the legacy 10-byte one, neither negotiated; num_buffers right:
   NET-02 / NET-03), ``call-early`` (the Tx used buffer notification sent 20 ms before the used entries are
-  published, none after), ``call-swap`` (each queue's notifications written to the other queue's call
-  eventfd), ``evt-first`` (with EVENT_IDX, a notification only when the first used index a publication writes
-  is used_event, not whenever the publication crosses it; packed: the first used slot is the DESC event slot,
-  wrap ignored), ``gen01`` (the rings started before DRIVER_OK: Tx frames looped into Rx buffers at once,
-  unannounced, the Tx buffers used after DRIVER_OK), ``rx-desc-write`` (each used Rx buffer's descriptor
-  gets the bytes written as its len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are
-  overwritten with 0xFFFF when Rx buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8
-  bytes just past the end of the Tx used ring, memory the device was not given: SPLIT-L-02), ``rx-skip``
-  (IN_ORDER Rx batches: every third frame, the next Rx buffer is skipped, never written, inside the batch entry
-  of the buffer that holds the frame: INORDER-10), ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets,
-  every skipped buffer written whole, the batch entry's len one byte too long: SPLIT-V-11 / PACKED-V-12),
-  ``rx-batch-len-1`` (the same, the batch entry's len one byte short of what was written), ``hdr10-len-1``
-  (a 10-byte header, and the last buffer's len of a merged packet one byte short), on split
+  published, none after), ``call-swap`` (each queue's notifications written to the other queue's call eventfd),
+  ``evt-first`` (with EVENT_IDX, a notification only when the first used index a publication writes is used_event,
+  not whenever the publication crosses it; packed: the first used slot is the DESC event slot, wrap ignored),
+  ``gen01`` (the rings started before DRIVER_OK: Tx frames looped into Rx buffers at once, unannounced, the Tx
+  buffers used after DRIVER_OK), ``rx-desc-write`` (each used Rx buffer's descriptor gets the bytes written as its
+  len: SPLIT-V-04), ``rx-avail-write`` (the avail slots the device read last are overwritten with 0xFFFF when Rx
+  buffers are used: SPLIT-L-08), ``scribble`` (after each Tx completion, 8 bytes just past the end of the Tx used
+  ring, memory the device was not given: SPLIT-L-02), ``rx-skip`` (IN_ORDER Rx batches: every third frame, the next
+  Rx buffer is skipped, never written, inside the batch entry of the buffer that holds the frame: INORDER-10),
+  ``rx-batch-len+1`` (IN_ORDER Rx batches of merged packets, every skipped buffer written whole, the batch entry's
+  len one byte too long: SPLIT-V-11 / PACKED-V-12), ``rx-batch-len-1`` (the same, the batch entry's len one byte
+  short of what was written), ``hdr10-len-1`` (a 10-byte header, and the last buffer's len of a merged packet one
+  byte short), ``rx-len-1`` (every packet's last buffer's len one byte short, one-buffer packets included), on split
   rings ``rx-pair-short`` (no MRG_RXBUF: one used entry for every two frames' Rx buffers, the first buffer skipped
-  though its frame is shorter than the buffer: INORDER-10), ``len-late`` (used entries published with the
-  id, used idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx
-  buffer, written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and
-  AVAIL clear), ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list),
-  ``head-id`` (the used id read from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER
-  batches of 3 or more: one used descriptor at the batch's first slot naming its second-to-last buffer, the
-  used position moved by the whole batch).
+  though its frame is shorter than the buffer: INORDER-10), ``len-late`` (used entries published with the id, used
+  idx moved, the len written 20 ms later: SPLIT-V-08), and on packed rings (one used descriptor per Tx buffer,
+  written by hand): ``no-avail`` (on a lap with wrap counter 1 the used descriptors get USED set and AVAIL clear),
+  ``adv1`` (the used position moves by 1 per buffer, whatever the length of its list), ``head-id`` (the used id read
+  from the list's first descriptor, not its last) or ``short-id`` (IN_ORDER batches of 3 or more: one used
+  descriptor at the batch's first slot naming its second-to-last buffer, the used position moved by the whole
+  batch).
 """
 from __future__ import annotations
 
@@ -262,8 +262,8 @@ class _LoopQueues:
         self.q, self.views = [], []
         for i, v in enumerate(dev.vrings):
             layout = dev._layout(v, v.addr)
-            q = DeviceQueue(dev.cmem, layout, dev.features,
-                            in_order_batch=fault in ("rx-skip", "rx-batch-len+1", "rx-batch-len-1") and i == RX)
+            batch = fault in ("rx-skip", "rx-batch-len+1", "rx-batch-len-1", "rx-len-1")
+            q = DeviceQueue(dev.cmem, layout, dev.features, in_order_batch=batch and i == RX)
             q.set_base(v.base)
             self.q.append(q)
             self.views.append(view_for(dev.mem, layout))
@@ -472,7 +472,8 @@ class _LoopQueues:
         if self.fault == "rx-batch-len+1" and len(ids) > 1 and lens[-1] < bufs[-1][2]:
             lens[-1] += 1   # the batch entry (the last buffer's): one byte more than was written
             self.faults += 1
-        if self.fault in ("rx-batch-len-1", "hdr10-len-1") and len(ids) > 1 and lens[-1] > 1:
+        if (self.fault in ("rx-batch-len-1", "hdr10-len-1") and len(ids) > 1 or self.fault == "rx-len-1") \
+                and lens[-1] > 1:
             lens[-1] -= 1   # the batch entry (the last buffer's): one byte less than was written
             self.faults += 1
         if self.fault == "rx-desc-write":    # the bytes written stored in each used buffer's descriptor

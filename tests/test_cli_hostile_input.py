@@ -41,9 +41,9 @@ def _env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _vring(*args, timeout=60, **kw):
+def _vring(*args, timeout=60, cwd=ROOT, **kw):
     return subprocess.run([sys.executable, "-m", "vring.cli", *args], capture_output=True, text=True, env=_env(),
-                          cwd=ROOT, timeout=timeout, **kw)
+                          cwd=cwd, timeout=timeout, **kw)
 
 
 def _start(*args):
@@ -288,6 +288,13 @@ _USAGE_ERRORS = [
     (["tap", "--listen", "A", "--backend-listen", "A"], "vring tap: the frontend's, the backend's and the --ctl"),
     (["tap", "--listen", "A", "--connect", "B", "--ctl", "A"], "vring tap: the frontend's, the backend's and the"),
     (["tap", "--listen", "A", "--connect", "B", "--ctl", ""], "vring tap: a socket or file option needs a non-empty"),
+    # found by attack51: no test held these bounds, or one file under two names
+    (["dump", "--shm", "x", "--fmt", "split", "--size", "8", "--desc", str(1 << 64), "--driver", "0", "--device",
+      "0"], "vring dump: --desc must be in 0..2^64-1"),
+    (["demo", "--count", str(1 << 63)], "vring demo: --count must be in 1..2^63-1"),
+    (["tap", "--listen", "A", "--connect", "B", "--peer-timeout", "86401"], "vring tap: --peer-timeout must be"),
+    (["tap", "--listen", "s.sock", "--backend-listen", "A"], "vring tap: the frontend's, the backend's"),
+    (["tap", "--listen", "A", "--connect", "B", "--log", "L/x", "--pcap", "R/x"], "vring tap: the frontend's"),
 ]
 
 
@@ -296,10 +303,14 @@ def test_a_usage_error_exits_2_in_every_command(tmp_path, args, says):
     """driver, vhost, conform and bench exited 2 on a usage error; dump, tap and demo exited 1, the status of a
     run that failed, and demo ran --ring-size 100 until its first split variant failed."""
     f = _snapshot_file(tmp_path)
-    p = _vring(*[f if a == "F" else str(tmp_path / a) if a in ("A", "B") else a for a in args])
+    os.mkdir(tmp_path / "real")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    names = {"F": f, "A": str(tmp_path / "s.sock"), "B": str(tmp_path / "b.sock"), "L/x": str(tmp_path / "link/x"),
+             "R/x": str(tmp_path / "real/x")}   # (s.sock: A, relative to the cwd below)
+    p = _vring(*[names.get(a, a) for a in args], cwd=tmp_path)
     _one_line(p, 2, says)
     assert p.stdout == "", p.stdout
-    assert not (tmp_path / "A").exists() and not (tmp_path / "B").exists()
+    assert not {"s.sock", "b.sock"} & set(os.listdir(tmp_path)) and not os.listdir(tmp_path / "real")
 
 
 def _stderr_unwritable():
@@ -307,12 +318,14 @@ def _stderr_unwritable():
     os.dup2(os.open(os.devnull, os.O_RDONLY), 2)
 
 
-def test_a_usage_error_with_stderr_closed_still_exits_2(tmp_path):
-    """Found by attack50: `2>&-` made the usage error's line an OSError (EBADF), exit 1."""
+@pytest.mark.parametrize("how", [_stderr_unwritable, lambda: os.close(2)], ids=["unwritable", "closed"])
+def test_a_usage_error_with_stderr_closed_still_exits_2(tmp_path, how):
+    """Found by attack50: `2>&-` made the usage error's line an OSError (EBADF), exit 1; and by attack51: with
+    fd 2 really closed (sys.stderr None) the line went to stdout."""
     for args in (["demo", "--count", "0"], ["dump", "--from", "x", "--count", "-1"], ["tap", "--listen", "A"]):
         p = subprocess.run([sys.executable, "-m", "vring.cli", *args], stdout=subprocess.PIPE, env=_env(),
-                           cwd=tmp_path, timeout=60, preexec_fn=_stderr_unwritable)
-        assert p.returncode == 2, (args, p.returncode)
+                           cwd=tmp_path, timeout=60, preexec_fn=how)
+        assert p.returncode == 2 and p.stdout == b"", (args, p.returncode, p.stdout)
 
 
 @pytest.mark.parametrize("how", ["closed", "full"])
@@ -330,7 +343,19 @@ def test_output_that_cannot_be_written_is_one_line_or_quiet(tmp_path, how):
             assert p.returncode == 0 and p.stderr == "", (args, p.returncode, p.stderr)
         else:
             _one_line(p, 1, f"vring {args[0]}: ")
-            assert "No space left on device" in p.stderr, p.stderr
+            assert "cannot write the output: No space left on device" in p.stderr, p.stderr
+
+
+def test_tap_decode_with_stdout_closed_still_reads_the_log(tmp_path):
+    """Found by attack51: with no stdout (`>&-`) `tap --decode` exited 0 without reading the log, a missing file
+    or a bad line included."""
+    good, bad = tmp_path / "good.log", tmp_path / "bad.log"
+    good.write_text('{"t": 1.0, "seq": 0, "conn": 1, "event": "connected"}\n')
+    bad.write_text("garbage\n")
+    for path, rc in ((good, 0), (bad, 1), (tmp_path / "missing.log", 1)):
+        p = subprocess.run([sys.executable, "-m", "vring.cli", "tap", "--decode", str(path)], stderr=subprocess.PIPE,
+                           text=True, env=_env(), cwd=ROOT, timeout=60, preexec_fn=lambda: os.close(1))
+        assert p.returncode == rc and "Traceback" not in p.stderr, (path, p.returncode, p.stderr)
 
 
 def test_tap_decode_into_a_closed_pipe_is_no_error(tmp_path):

@@ -179,26 +179,23 @@ def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
     assert not os.path.exists(sock)
 
 
-def _nacks_never_read(fe):
-    """Messages the server refuses with a NACK (SET_FEATURES with a 3-byte payload, NEED_REPLY), sent until the
-    socket is full: the NACKs are never read, so the server's send of one blocks (attack50)."""
-    fe.sendall(vu.HEADER.pack(R.GET_FEATURES, vu.VERSION, 0))
+def _never_read(fe, message):
+    """``message`` sent until the socket is full, no reply read: the server's send of its reply blocks."""
     fe.setblocking(False)
-    bad = vu.HEADER.pack(R.SET_FEATURES, vu.VERSION | vu.NEED_REPLY, 3) + bytes(3)
     end = time.monotonic() + 0.5
     while time.monotonic() < end:
         try:
-            fe.send(bad)
+            fe.send(message)
         except BlockingIOError:
             time.sleep(0.01)
 
 
-@pytest.mark.parametrize("part", ["header", "payload", "nack"])
+@pytest.mark.parametrize("part", ["header", "payload", "nack", "reply"])
 def test_vhost_stop_signal_is_not_held_by_a_message_stalled_half_way(tmp_path, part):
     """A frontend that stops half-way through a message: SIGTERM to `vring vhost` ended it only when the receive
     timed out (MSG_TIMEOUT, 5 s), the signal held that long. Now the exchange is abandoned at once: exit 0, socket
-    file removed, well before the receive would have given up. The same for a NACK the frontend does not read
-    (attack50: only the replies had it)."""
+    file removed, well before the receive would have given up. The same for a reply or a NACK the frontend does
+    not read (attack50: the NACK had it not)."""
     from vhost.server import MSG_TIMEOUT
     sock = str(tmp_path / "vh.sock")
     proc = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
@@ -208,8 +205,11 @@ def test_vhost_stop_signal_is_not_held_by_a_message_stalled_half_way(tmp_path, p
         wait_for(sock, proc)
         fe.connect(sock)
         whole = vu.HEADER.pack(R.SET_FEATURES, vu.VERSION, 8) + vu.pack_u64(1 << 32)
-        if part == "nack":
-            _nacks_never_read(fe)
+        if part == "nack":   # malformed (a 3-byte payload), NEED_REPLY: NACKed (attack50)
+            fe.sendall(vu.HEADER.pack(R.GET_FEATURES, vu.VERSION, 0))
+            _never_read(fe, vu.HEADER.pack(R.SET_FEATURES, vu.VERSION | vu.NEED_REPLY, 3) + bytes(3))
+        elif part == "reply":   # (attack51)
+            _never_read(fe, vu.HEADER.pack(R.GET_FEATURES, vu.VERSION, 0))
         else:
             fe.sendall(whole[:6] if part == "header" else whole[:vu.HEADER_SIZE + 3])
         time.sleep(0.5)   # the server has seen the bytes and waits in its receive for the rest

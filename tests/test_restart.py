@@ -262,15 +262,24 @@ def test_backend_gone_before_the_rings_are_up_is_replaced(tmp_path, monkeypatch,
     assert res["rx"]["errors"] == res["tx"]["errors"] == 0
 
 
-_UNTRACKED_BACKEND = """import sys
+_UNTRACKED_BACKEND = """import json, signal, sys
 from rings import vhost_user as vu
 from rings.layout import bit
 from vhost.datapath import Options
 from vhost.server import Server
 PF = vu.VhostUserProtocolFeature
-Server(sys.argv[1], Options(fwd="macswap"),
-       device_kw={"protocol_features": bit(PF.REPLY_ACK) | bit(PF.STATUS)}).serve()
+server = Server(sys.argv[1], Options(fwd="macswap"), out=sys.stderr,
+                device_kw={"protocol_features": bit(PF.REPLY_ACK) | bit(PF.STATUS)})
+signal.signal(signal.SIGTERM, server.stop)
+print(json.dumps(server.serve()), flush=True)
 """
+
+
+def _dropped(stats):
+    """rx_dropped in a backend's final counters: frames it held and dropped when it stopped."""
+    if isinstance(stats, dict):
+        return sum(v if k == "rx_dropped" else _dropped(v) for k, v in stats.items())
+    return 0
 
 
 @pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
@@ -293,12 +302,14 @@ def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, 
             backends[0].proc.wait(10)
             os.unlink(sock)
             untracked = subprocess.Popen([sys.executable, "-c", _UNTRACKED_BACKEND, sock], env=_env(),
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
             time.sleep(1.5)
-            untracked.kill()
-            untracked.wait(10)
-            os.unlink(sock)
+            # stopped, not killed: a backend without an inflight area loses the frames it holds however it goes;
+            # its counters say how many (the driver cannot get them back), so the check below is exact
+            untracked.send_signal(signal.SIGTERM)
+            held.append(_dropped(json.loads(untracked.communicate(timeout=20)[0])))
             backends.append(VhostProcess(sock, "--fwd", "macswap", verbose=True))
+        held = []
         res = _driver_while(kill_and_relaunch, sock, packed, seconds=5)
     finally:
         if untracked is not None and untracked.poll() is None:
@@ -309,7 +320,8 @@ def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, 
             be.__exit__()
     pop = res["verify"]["population"]
     assert res["connections"] == 3, res["reconnects"]
-    assert pop["present"] == 64 and pop["absent"] == 0 and res["verify"]["bad"] == 0, (res["verify"], logs[-1])
+    assert held and pop["present"] == 64 - held[0] and pop["absent"] == held[0], (held, res["verify"], logs[-1])
+    assert res["verify"]["bad"] == 0, res["verify"]
     assert "cannot start" not in logs[-1] and "inflight region says" not in logs[-1], logs[-1][-3000:]
     if packed:   # the fresh area knows no chain in flight: the ring is laid out afresh both times
         assert [r.get("ring_reset") for r in res["reconnects"]] == [True, True], res["reconnects"]

@@ -20,6 +20,7 @@ What it tells:
 Exit status: 0 served (or decoded a clean log), 1 a run-time error or a log line that would not decode, 2 usage.
 """
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -59,11 +60,10 @@ def register(sub):
 def run(args):
     if args.decode:
         from tap.msglog import decode_file
-        if sys.stdout is None:   # `>&-`: as a reader that closed the pipe
-            return closed_quietly()
-        try:
-            bad = decode_file(args.decode, sys.stdout)
-            sys.stdout.flush()
+        try:   # with no stdout (`>&-`) the log is still read: the exit status says whether it decodes
+            with open(os.devnull, "w") if sys.stdout is None else contextlib.nullcontext(sys.stdout) as stream:
+                bad = decode_file(args.decode, stream)
+                stream.flush()
         except BrokenPipeError:   # `vring tap --decode LOG | head` (only stdout can be a pipe here)
             return closed_quietly()
         except OSError as e:
@@ -80,7 +80,7 @@ def run(args):
                          args.pcap) if p is not None]
     if "" in given:
         return usage_error("vring tap", "a socket or file option needs a non-empty path")
-    paths = [os.path.abspath(p) for p in given]
+    paths = [os.path.realpath(p) for p in given]   # (one file under two names, through a symlink, is one)
     if len(set(paths)) < len(paths):   # the tap would meet itself there, or write a file over its socket
         return usage_error("vring tap", "the frontend's, the backend's and the --ctl socket, --log and --pcap "
                                         "each need a path of their own")

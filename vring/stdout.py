@@ -41,8 +41,10 @@ def _stdout_to_devnull():
 
 def usage_error(prog, what):
     """A usage error: one line on stderr, if it can be written; exit status 2 whatever happens to the line."""
+    if sys.stderr is None:   # `2>&-`: print(file=None) would write it on stdout
+        return 2
     try:
         print(f"{prog}: {what}", file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):   # stderr closed (`2>&-`), or None
+    except (OSError, ValueError):   # fd 2 open, but not for writing (`2>&-` through a shell script)
         pass
     return 2
