@@ -325,7 +325,8 @@ class Server:
             while not self.stopping:
                 try:
                     self.poll_once()
-                except _Interrupted:
+                except _Interrupted:   # (the flag cleared here too: the signal may have come inside a finally
+                    self._exchanging = False   # that was to clear it; a second one must not cut close() short)
                     log.info("stopped inside a message exchange")
                     break
                 except Exception as e:   # a bug of ours costs the connection, never the process
