@@ -89,7 +89,7 @@ class DriverConfig:
     tx_hdr: str = "headroom"  # Tx variants (virtio.net.TX_HDR, HDR_INIT, DOORBELL), fixed per queue
     hdr_init: str = "burst"
     doorbell: str = "burst"
-    tx_publish: int = PUBLISH_EVERY   # Tx descriptors visible every N ring slots (0: once per burst)
+    tx_publish: int = PUBLISH_EVERY   # macfwd, no more than a burst out: N packets a step (0: whole bursts)
     rx_burst: int = 0         # rate mode: at most this many frames received per step (0: burst)
     reconnect: bool = False   # a backend that goes away is looked for again (bounded by seconds)
     server: bool = False      # listen on socket; the backend connects (and reconnects)

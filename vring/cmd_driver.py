@@ -86,10 +86,10 @@ def register(sub):
                    help="publish and (if the device asks) kick once per burst (default, like xmit_more) or after "
                         "every packet")
     p.add_argument("--tx-publish", type=int, default=PUBLISH_EVERY, metavar="N",
-                   help=f"macfwd with all sent frames back and Rx drained (the device is idle): make Tx descriptors "
-                        f"visible whenever the next ring slot is a multiple of N (default {PUBLISH_EVERY}), so that "
-                        f"the device starts on a burst while the rest is written; 0: once per burst. Kicks stay "
-                        f"once per burst (--doorbell)")
+                   help=f"macfwd with no more than a burst out (sent, not back yet): receive, send and publish N "
+                        f"packets at a time (default {PUBLISH_EVERY}), so that the device starts on the first "
+                        f"packets while the driver receives the next; 0: whole bursts. Kicks stay once per step "
+                        f"(--doorbell)")
     p.add_argument("--tx-slow-path", dest="force_slow", action="store_true",
                    help="send every packet through the slow path (header descriptor or indirect)")
     p.add_argument("--spin", type=int, default=64,

@@ -208,17 +208,13 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
     const uint32_t *next = p->next;
     uint8_t *host = p->host;
     uint64_t gpa = p->gpa, bs = p->stride, bytes = 0;
-    uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0, every = t->every_now;
+    uint32_t nbufs = p->nbufs, hs = t->hdr_size, done = 0;
     uint8_t tmpl[12];
     uint64_t a[VN_RUN], tok[VN_RUN];
     uint32_t l[VN_RUN];
     __builtin_memcpy(tmpl, t->hdr_tmpl, sizeof tmpl);
     while (done < n) {
         uint32_t k = 0, m = n - done < VN_RUN ? n - done : VN_RUN;
-        if (every) {   /* up to the next multiple of `every` slots: the pieces line up with the ring's lines */
-            uint32_t edge = every - t->q->next_avail % every;
-            m = m < edge ? m : edge;
-        }
         for (; k < m; k++) {
             uint32_t b = idx[done + k];
             if (b >= nbufs || !owned[b] || next[b] != VN_NONE || data_off[b] < hs)
@@ -233,10 +229,6 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
         for (uint32_t j = 0; j < added; j++)
             bytes += len[done + j];
         done += added;
-        /* the device may start on these while the rest is written: with one burst in flight the loop waits for
-         * the device, which then works beside the driver instead of after it */
-        if (every && added)
-            t->publishes += vq_drv_publish(t->q);
         if (added < m)
             break;
     }
@@ -789,15 +781,30 @@ static inline uint32_t vn_rx_spin(const struct vn_rxq *r, uint32_t spin, uint64_
     return k;
 }
 
-/* One macfwd step: receive, swap MACs, refill the Rx ring, send back; what still does not fit in Tx after
- * VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off the round trip. Returns the
- * packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
+/* How many packets one macfwd step takes. No more than a burst out (sent, not yet received): the loop is bound by
+ * latency, and a whole burst keeps the device idle while the driver works on it, then the driver idle while the
+ * device does (a device polling all the time takes the whole burst in one go). Pieces of publish_every instead:
+ * the device starts on the first while the driver receives the next, and the loop settles into pieces moving on
+ * both sides at once (one burst in flight, packed, in front of DPDK's net_vhost: +11-14%; benchmarks/
+ * interleaved.py). More out: the device has work queued, whole bursts, each one poll for it. Received more than
+ * sent (a device that also sends frames of its own: the difference wraps past any burst), or a burst's worth more
+ * sent than came back (one that drops or keeps frames): the counts say nothing, whole bursts. Never more than max:
+ * the caller's arrays hold that many. */
+static inline uint32_t vn_fwd_take(const struct vn_rxq *r, const struct vn_txq *t, uint32_t max)
+{
+    uint32_t every = t->publish_every;
+    return every && every < max && t->packets - r->packets <= max ? every : max;
+}
+
+/* One macfwd step: receive (vn_fwd_take), swap MACs, refill the Rx ring, send back; what still does not fit in Tx
+ * after VN_TX_RETRIES reclaim rounds is dropped (counted). Tx cleanup comes after the send, off the round trip.
+ * Returns the packet count, or -1 when a ring broke. Not inlined: a symbol profilers can count from
  * (benchmarks/loop_profile.py). */
 static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_txq *t, uint32_t *idx, uint32_t *len,
                                                   uint32_t max)
 {
     r->kick = 0;
-    int n = vn_rx_recv(r, idx, len, max);
+    int n = vn_rx_recv(r, idx, len, vn_fwd_take(r, t, max));
     if (n < 0)
         return n;
     if (n > 0) {
@@ -809,13 +816,7 @@ static __attribute__((noinline)) int vn_fwd_burst(struct vn_rxq *r, struct vn_tx
          * the driver can see (posted Rx buffers, Tx not reclaimed) does not say how many the backend can still
          * fill (used Rx entries not yet received, packets staged after their Tx completion was reclaimed) */
         vn_rx_refill(r, 1);
-        /* everything sent has come back and nothing more is waiting in Rx: the device is idle until this burst
-         * arrives, let it start on the first packets. Otherwise whole bursts: a busy device would see them in
-         * pieces, every piece a poll of its own (split, 256 in flight: -13%). A device that drops or keeps
-         * packets leaves sent > received for good: whole bursts, as before */
-        t->every_now = t->packets <= r->packets && !vn_rx_pending(r) ? t->publish_every : 0;
         uint32_t sent = vn_tx_burst(t, idx, len, (uint32_t)n, 0);
-        t->every_now = 0;
         /* Tx full: the backend may have these very packets' Tx completions about to land (it publishes them
          * after their Rx copies); reclaim and retry a bounded number of times before dropping (testpmd: retry) */
         for (uint32_t tries = 0; sent < (uint32_t)n && tries < VN_TX_RETRIES && !t->q->error; tries++) {

@@ -30,9 +30,9 @@ struct vn_txq {
     /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
      * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
     uint8_t hdr_per_packet, doorbell_per_packet;
-    /* macfwd with everything sent back and Rx drained (the device is idle): the fast path publishes whenever the
-     * next slot is a multiple of publish_every (0: once per burst); every_now is what the current burst uses */
-    uint16_t publish_every, every_now, pad3;
+    /* macfwd with no more than a burst out: packets taken, sent and published publish_every at a time (0: whole
+     * bursts; vn_fwd_take) */
+    uint16_t publish_every, pad3, pad4;
     int32_t kickfd;         /* eventfd, or -1 (count only) */
     uint64_t *tok;          /* reclaim scratch, size entries */
     uint32_t *lens;
