@@ -9,10 +9,11 @@ what `vring bench --repeat` cannot do: there each point starts its processes ane
 
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
-``ours@TREE`` runs the driver of another checkout (PYTHONPATH=TREE: an A/B of a code change). The device side is the
-same for all pairs: ``--device dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats: its dequeues that
-found nothing are reported per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). The rate is the
-device's: RX packets of the net_vhost port, or rx_packets of our backend's --stats-interval lines, over the slice.
+``ours`` runs this checkout's driver and ``ours@TREE`` that of another (PYTHONPATH=TREE: an A/B of a code change).
+The device side is the same for all pairs: ``--device dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats:
+the share of its dequeues that found nothing, median over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring
+vhost --fwd macswap`). The rate is the device's: RX packets of the net_vhost port, or rx_packets of our backend's
+--stats-interval lines, over the slice.
 
     python3 benchmarks/interleaved.py --path packed --inject 32 --variants 'dpdk;ours;ours --tx-publish 8'
     python3 benchmarks/interleaved.py --device ours --path split --variants 'ours;ours@/tmp/other-checkout'
@@ -32,7 +33,8 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from vring import dpdk  # noqa: E402
 
@@ -58,12 +60,33 @@ def _stop(proc):
         proc.wait()
 
 
+class Failure(Exception):
+    """A pair that could not start or stopped forwarding; the message says why."""
+
+
+def _tree(spec):
+    """'ours' -> this checkout; 'ours@TREE' -> TREE, which must be a checkout (vring/ and virtio/ built in it)."""
+    if "@" not in spec:
+        return REPO
+    tree = os.path.abspath(spec.split("@", 1)[1])
+    if not (os.path.isdir(os.path.join(tree, "vring")) and os.path.isdir(os.path.join(tree, "virtio"))):
+        raise Failure(f"{spec!r}: {tree} is not a checkout of this project (no vring/ and virtio/ in it)")
+    return tree
+
+
 def _tree_env(spec):
-    """'ours@TREE' -> an environment importing that checkout first; 'ours' -> this one's."""
+    """An environment importing the checkout `spec` names first, whatever is installed."""
     env = dict(os.environ)
-    if "@" in spec:
-        env["PYTHONPATH"] = spec.split("@", 1)[1]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_tree(spec), env.get("PYTHONPATH")) if p)
     return env
+
+
+def _tail(path, lines=12):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:]).rstrip()
+    except OSError:
+        return ""
 
 
 class OurDevice:
@@ -71,17 +94,25 @@ class OurDevice:
 
     def __init__(self, spec, sock, workdir, cpus):
         self.out = os.path.join(workdir, os.path.basename(sock) + "-device.jsonl")
+        self.err = os.path.join(workdir, os.path.basename(sock) + "-device.err")
         argv = [sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--json", "--stats-interval",
                 str(STATS_INTERVAL), "--pin", str(cpus[0]), "--max-connections", "1", "--fwd", "macswap",
                 "--burst", "32"]
-        with open(self.out, "w") as f:
-            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.DEVNULL, env=_tree_env(spec))
+        with open(self.out, "w") as f, open(self.err, "w") as e:
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=e, env=_tree_env(spec))
         self.pid = self.proc.pid
-        deadline = time.monotonic() + 30
-        while not os.path.exists(sock):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"vring vhost did not listen on {sock}")
-            time.sleep(0.05)
+        try:  # whatever ends the wait (a signal included), the backend must not outlive us
+            deadline = time.monotonic() + 30
+            while not os.path.exists(sock):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise Failure(f"vring vhost did not listen on {sock}:\n{self.why()}")
+                time.sleep(0.05)
+        except BaseException:
+            self.close()
+            raise
+
+    def why(self):
+        return _tail(self.err) or _tail(self.out) or "(it printed nothing)"
 
     def count(self):
         """(rx packets, the backend's own time stamp) of its latest stats line, once a fresh one is out."""
@@ -92,12 +123,18 @@ class OurDevice:
                 if line.startswith("{"):
                     last = line
         if last is None:
-            raise SystemExit("vring vhost wrote no stats line")
+            raise Failure(f"vring vhost wrote no stats line:\n{self.why()}")
         d = json.loads(last)
         return d["rxq0"]["rx_packets"], d["time"]
 
-    def empty_dequeues(self):
+    def clear(self):
+        pass
+
+    def dequeues(self):
         return None
+
+    def alive(self):
+        return self.proc.poll() is None
 
     def close(self):
         _stop(self.proc)
@@ -113,6 +150,12 @@ class DpdkDevice:
         self.tp.start(60)
         self.pid = self.tp.pid
 
+    def why(self):
+        return "\n".join(self.tp.log.rstrip().splitlines()[-12:])
+
+    def alive(self):
+        return self.tp.running
+
     def count(self):
         s = self.tp.stats(0)
         return s.rx_packets, s.time
@@ -120,8 +163,8 @@ class DpdkDevice:
     def clear(self):
         self.tp.command("clear fwd stats all")
 
-    def empty_dequeues(self):
-        """The share of its dequeues (RX bursts) that found nothing, and dequeues per 32 packets."""
+    def dequeues(self):
+        """Since clear(): the share of its dequeues (RX bursts) that found nothing, and dequeues per 32 packets."""
         out = self.tp.command("show fwd stats all")
         m = re.search(r"RX-bursts\s*:\s*(\d+)\s*\[([^\]]*)\]", out)
         rx = re.search(r"RX-packets:\s*(\d+)", out)
@@ -137,8 +180,8 @@ class DpdkDevice:
 class Pair:
     def __init__(self, variant):
         self.name = variant
-        self.device = self.driver = None
-        self.pids, self.rates, self.packets = [], [], 0
+        self.device = self.driver = self.driver_out = None
+        self.pids, self.rates, self.dequeues, self.packets = [], [], [], 0
 
     def start(self, k, args, workdir):
         variant = self.name
@@ -148,8 +191,6 @@ class Pair:
                        else OurDevice(args.device, sock, workdir, args.cpus))
         words = variant.split()
         if words[0] == "dpdk":
-            if len(words) > 1:
-                raise SystemExit(f"variant {variant!r}: extra arguments are for our driver only")
             self.driver = dpdk.Testpmd.virtio_user(
                 sock, packed=packed, in_order=in_order, mrg_rxbuf=True, queue_size=256, burst=32, fwd="mac",
                 tx_first=True, autostart=False, lcores=(args.cpus[0], args.cpus[1]), extra=["--txpkts=64"],
@@ -158,46 +199,60 @@ class Pair:
             bursts = max(1, args.inject // 32)
             self.driver.command(f"start tx_first {bursts}" if bursts > 1 else "start tx_first")
             self.driver_pid = self.driver.pid
-        elif words[0].split("@")[0] == "ours":
+        else:
             argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
                     "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
                     "--mrg-rxbuf", "--burst", "32", "--ring-size", "256", "--pkt-size", "64", "--seconds", "86400",
                     "--mode", "macfwd", "--count", str(args.inject), "--latency", *words[1:]]
-            with open(os.path.join(workdir, f"p{k}-driver.out"), "w") as f:
+            self.driver_out = os.path.join(workdir, f"p{k}-driver.out")
+            with open(self.driver_out, "w") as f:
                 self.driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_tree_env(words[0]))
             self.driver_pid = self.driver.pid
-        else:
-            raise SystemExit(f"variant {variant!r}: dpdk, ours or ours@TREE, then our driver's arguments")
         self.pids = [self.device.pid, self.driver_pid]
 
-    def alive(self):
+    def check(self):
+        """Raise, with the tail of what the dead one printed, if the driver or the device exited."""
         if isinstance(self.driver, subprocess.Popen):
-            return self.driver.poll() is None
-        return self.driver.running
+            if self.driver.poll() is not None:
+                raise Failure(f"{self.name}: the driver exited ({self.driver.returncode}):\n{_tail(self.driver_out)}")
+        elif not self.driver.running:
+            raise Failure(f"{self.name}: testpmd virtio_user exited:\n" + "\n".join(self.driver.log.splitlines()[-12:]))
+        if not self.device.alive():
+            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}")
 
-    def slice(self, seconds, first):
+    def slice(self, seconds):
+        """Run the pair for `seconds`; its rate and net_vhost's dequeue counts over that time.  Those counts are
+        per slice, read while both sides run: a device running alone, or while a command to one testpmd takes the
+        CPU the other's loop runs on, finds nothing for milliseconds, and a cumulative count would keep that."""
         _signal(self.pids, signal.SIGCONT)
-        if first and isinstance(self.device, DpdkDevice):
-            self.device.clear()
+        self.device.clear()
         n0, t0 = self.device.count()
         time.sleep(seconds)
         n1, t1 = self.device.count()
+        if n1 <= n0:  # a loop that lost its packets, or a machine too busy to run it: look once more, longer
+            time.sleep(2.0)
+            n1, t1 = self.device.count()
+        d = self.device.dequeues()
         _signal(self.pids, signal.SIGSTOP)
-        if not self.alive():
-            raise SystemExit(f"{self.name}: the driver exited")
+        if d is not None:
+            self.dequeues.append(d)
+        self.check()
+        if n1 <= n0:  # no rate to compare (and none to divide by)
+            raise Failure(f"{self.name}: the device received nothing in {seconds + 2} s")
         self.rates.append((n1 - n0) / (t1 - t0))
         self.packets += n1 - n0
 
     def close(self):
+        """Continue, then stop both sides; the device even if stopping the driver failed."""
         _signal(self.pids, signal.SIGCONT)
-        if self.driver is None:
-            pass
-        elif isinstance(self.driver, subprocess.Popen):
-            _stop(self.driver)
-        else:
-            self.driver.close()
-        if self.device is not None:
-            self.device.close()
+        try:
+            if isinstance(self.driver, subprocess.Popen):
+                _stop(self.driver)
+            elif self.driver is not None:
+                self.driver.close()
+        finally:
+            if self.device is not None:
+                self.device.close()
 
 
 def main():
@@ -214,18 +269,38 @@ def main():
     args = ap.parse_args()
     if args.device != "dpdk" and args.device.split("@")[0] != "ours":
         ap.error("--device: dpdk, ours or ours@TREE")
+    allowed = sorted(os.sched_getaffinity(0))
     try:
         args.cpus = [int(c) for c in args.cpus.split(",")]
         if len(args.cpus) != 2:
             raise ValueError
     except ValueError:
         ap.error("--cpus: DEVICE,DRIVER")
-    if args.rounds < 1 or args.slice <= 0 or args.inject < 1:
-        ap.error("--rounds, --slice and --inject must be positive")
+    if not set(args.cpus) <= set(allowed):
+        ap.error(f"--cpus {args.cpus[0]},{args.cpus[1]}: this process may run on CPUs {allowed} only")
+    if args.rounds < 1 or args.slice <= 0 or args.inject < 1 or args.warmup < 0:
+        ap.error("--rounds, --slice and --inject must be positive, --warmup not negative")
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
-    if not variants or ("dpdk" in variants or args.device == "dpdk") and dpdk.skip_reason():
-        ap.error(dpdk.skip_reason() or "no variant")
+    if not variants:
+        ap.error("--variants: no variant")
+    try:  # every variant checked before anything starts
+        for v in variants:
+            head, *rest = v.split()
+            if head == "dpdk" and rest:
+                raise Failure(f"variant {v!r}: extra arguments are for our driver only")
+            if head != "dpdk" and head.split("@")[0] != "ours":
+                raise Failure(f"variant {v!r}: dpdk, ours or ours@TREE, then our driver's arguments")
+            if head != "dpdk":
+                _tree(head)
+        if args.device != "dpdk":
+            _tree(args.device)
+    except Failure as e:
+        ap.error(str(e))
+    if ("dpdk" in variants or args.device == "dpdk") and dpdk.skip_reason():
+        ap.error(dpdk.skip_reason())
 
+    # SIGTERM ends the run as Ctrl-C does: through the clean-up below (no stopped testpmd left behind)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     workdir = tempfile.mkdtemp(prefix="vring-interleaved-")
     pairs = []
     try:
@@ -234,35 +309,45 @@ def main():
             pairs.append(pair)
             pair.start(k, args, workdir)
             time.sleep(args.warmup)
+            pair.check()
             _signal(pair.pids, signal.SIGSTOP)
         for r in range(args.rounds):
             for pair in (pairs if r % 2 == 0 else pairs[::-1]):
-                pair.slice(args.slice, r == 0)
-        empties = {}
-        for pair in pairs:
-            _signal([pair.device.pid], signal.SIGCONT)
-            empties[pair.name] = pair.device.empty_dequeues()
-            _signal([pair.device.pid], signal.SIGSTOP)
+                pair.slice(args.slice)
+    except (Failure, dpdk.TestpmdError) as e:
+        sys.exit(f"interleaved: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interleaved: interrupted")
     finally:
+        # a second Ctrl-C or SIGTERM must not leave pairs stopped: continue them all first, ignore both meanwhile
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for pair in pairs:
-            pair.close()
+            _signal(pair.pids, signal.SIGCONT)
+        for pair in pairs:
+            try:
+                pair.close()
+            except Exception as e:  # noqa: BLE001 - the others still get closed
+                print(f"interleaved: closing {pair.name}: {e}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
 
     base = pairs[0]
     print(f"{args.path}, {args.inject} in flight, device {args.device}: {args.rounds} rounds of {args.slice} s slices")
-    print(f"{'driver':34} {'Mpps':>6} {'vs ' + base.name:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7}")
+    w = max(34, *(len(p.name) + 1 for p in pairs))
+    print(f"{'driver':{w}} {'Mpps':>6} {'vs ' + base.name:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7}")
     out = {"config": vars(args), "variants": {}}
     for pair in pairs:
         ratios = [x / y for x, y in zip(pair.rates, base.rates)]
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        e = empties[pair.name]
-        print(f"{pair.name:34} {statistics.median(pair.rates) / 1e6:6.2f} {statistics.median(ratios):14.3f} "
+        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+        e = [statistics.median(x) for x in zip(*pair.dequeues)] if pair.dequeues else None
+        print(f"{pair.name:{w}} {statistics.median(pair.rates) / 1e6:6.2f} {statistics.median(ratios):14.3f} "
               f"{q[0]:6.3f} {q[2]:6.3f} {'' if e is None else f'{e[0]:.0%}':>10} "
               f"{'' if e is None else f'{e[1]:.2f}':>7}")
         out["variants"][pair.name] = {"rates": pair.rates, "ratio_median": statistics.median(ratios),
                                       "ratio_q1": q[0], "ratio_q3": q[2],
                                       "empty_dequeue_share": None if e is None else e[0],
-                                      "dequeues_per_32": None if e is None else e[1]}
+                                      "dequeues_per_32": None if e is None else e[1],
+                                      "dequeues_per_slice": pair.dequeues}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

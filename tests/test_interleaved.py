@@ -1,0 +1,114 @@
+"""benchmarks/interleaved.py as a tool: it refuses what it cannot run before starting anything, says why a pair
+did not come up, and leaves no process, stopped or not, and no work directory behind, however it ends (found by an
+adversarial review: a SIGTERM left stopped testpmds, a driver that exited at start gave no cause, plain ``ours``
+ran whatever tree was installed). Runs with our device only: no DPDK needed. Rates are not asserted."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "benchmarks", "interleaved.py")
+CPUS = sorted(os.sched_getaffinity(0))
+CPU_ARG = f"{CPUS[0]},{CPUS[-1]}"
+SHORT = ["--device", "ours", "--path", "split", "--rounds", "2", "--slice", "0.2", "--warmup", "0.5",
+         "--cpus", CPU_ARG]
+
+
+def _env(tmp_path):
+    # the work directory (sockets, outputs) goes under tmp_path: what is left there, and who still runs with a
+    # path under it in its argv, is what the tool failed to clean
+    return {**os.environ, "TMPDIR": str(tmp_path)}
+
+
+def _ours_under(tmp_path):
+    """(pid, state) of every process whose command line names a path under tmp_path."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(tmp_path).encode() in cmd and state != "Z":
+            found.append((int(pid), state))
+    return found
+
+
+def _assert_clean(tmp_path):
+    deadline = time.monotonic() + 10
+    while _ours_under(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _ours_under(tmp_path) == []
+    assert [p for p in os.listdir(tmp_path) if p.startswith("vring-interleaved-")] == []
+
+
+def _run(tmp_path, *args, timeout=120):
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=timeout,
+                          env=_env(tmp_path))
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--cpus", "0,4096"], "may run on CPUs"),
+    (["--cpus", "0"], "--cpus: DEVICE,DRIVER"),
+    (["--variants", "dpdk --burst 8"], "extra arguments are for our driver only"),
+    (["--variants", "ours;testpmd"], "dpdk, ours or ours@TREE"),
+    (["--variants", "ours@/"], "is not a checkout of this project"),
+    (["--device", "ours@/nonexistent"], "is not a checkout of this project"),
+    (["--rounds", "0"], "must be positive"),
+    (["--variants", " ; "], "no variant"),
+])
+def test_refuses_before_starting_anything(tmp_path, args, says):
+    r = _run(tmp_path, *args, timeout=30)
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr
+    _assert_clean(tmp_path)
+
+
+def test_a_short_run_measures_every_variant_and_cleans_up(tmp_path):
+    out = tmp_path / "r.json"
+    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --tx-publish 0", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert list(doc["variants"]) == ["ours", "ours --tx-publish 0"]
+    for v in doc["variants"].values():
+        assert len(v["rates"]) == 2 and min(v["rates"]) > 0
+        assert v["ratio_q1"] <= v["ratio_median"] <= v["ratio_q3"]
+    assert doc["variants"]["ours"]["ratio_median"] == 1.0
+    assert "ours --tx-publish 0" in r.stdout
+    _assert_clean(tmp_path)
+
+
+def test_a_driver_that_exits_at_start_is_reported_with_its_own_words(tmp_path):
+    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --ring-size 7")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "ours --ring-size 7: the driver exited" in r.stderr and "must be a power of 2, got 7" in r.stderr
+    _assert_clean(tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_run_continues_and_stops_every_pair(tmp_path, sig):
+    p = subprocess.Popen([sys.executable, TOOL, *SHORT[:-8], "--rounds", "1000", "--slice", "0.2",
+                          "--warmup", "0.5", "--cpus", CPU_ARG, "--variants", "ours;ours"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ours_under(tmp_path)) < 4:   # both pairs up: two devices, two drivers
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.poll() is not None else ""
+            time.sleep(0.1)
+        time.sleep(1.0)   # into the rounds: one pair running, the other stopped
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    _assert_clean(tmp_path)
