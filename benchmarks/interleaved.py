@@ -10,13 +10,15 @@ what `vring bench --repeat` cannot do: there each point starts its processes ane
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
 ``ours`` runs this checkout's driver and ``ours@TREE`` that of another (PYTHONPATH=TREE: an A/B of a code change).
-The device side is the same for all pairs: ``--device dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats:
-the share of its dequeues that found nothing, median over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring
-vhost --fwd macswap`). The rate is the device's: RX packets of the net_vhost port, or rx_packets of our backend's
---stats-interval lines, over the slice.
+Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats: the share of its
+dequeues that found nothing, median over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd
+macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
+matrix are compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our
+backend's --stats-interval lines, over the slice.
 
     python3 benchmarks/interleaved.py --path packed --inject 32 --variants 'dpdk;ours;ours --tx-publish 8'
     python3 benchmarks/interleaved.py --device ours --path split --variants 'ours;ours@/tmp/other-checkout'
+    python3 benchmarks/interleaved.py --path packed-inorder --variants 'dpdk/dpdk;ours/ours;ours/dpdk;dpdk/ours'
 
 Prints a table (median rate, median and quartiles of the per-round ratio to the first variant) and, with --json,
 every slice. Not a test: run it alone on the machine.
@@ -177,6 +179,13 @@ class DpdkDevice:
         self.tp.close()
 
 
+def _sides(variant, device):
+    """'DRIVER [ARGS]' -> (DRIVER, device, ARGS); 'ours/dpdk [ARGS]' (vring bench's driver/device) -> its own."""
+    head, *rest = variant.split()
+    m = re.fullmatch(r"(dpdk|ours)/(dpdk|ours)", head)
+    return (m.group(1), m.group(2), rest) if m else (head, device, rest)
+
+
 class Pair:
     def __init__(self, variant):
         self.name = variant
@@ -187,10 +196,10 @@ class Pair:
         variant = self.name
         sock = os.path.join(workdir, f"p{k}.sock")
         packed, in_order = args.path.startswith("packed"), args.path.endswith("inorder")
-        self.device = (DpdkDevice(sock, workdir, args.cpus) if args.device == "dpdk"
-                       else OurDevice(args.device, sock, workdir, args.cpus))
-        words = variant.split()
-        if words[0] == "dpdk":
+        driver, device, extra = _sides(variant, args.device)
+        self.device = (DpdkDevice(sock, workdir, args.cpus) if device == "dpdk"
+                       else OurDevice(device, sock, workdir, args.cpus))
+        if driver == "dpdk":
             self.driver = dpdk.Testpmd.virtio_user(
                 sock, packed=packed, in_order=in_order, mrg_rxbuf=True, queue_size=256, burst=32, fwd="mac",
                 tx_first=True, autostart=False, lcores=(args.cpus[0], args.cpus[1]), extra=["--txpkts=64"],
@@ -203,10 +212,10 @@ class Pair:
             argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
                     "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
                     "--mrg-rxbuf", "--burst", "32", "--ring-size", "256", "--pkt-size", "64", "--seconds", "86400",
-                    "--mode", "macfwd", "--count", str(args.inject), "--latency", *words[1:]]
+                    "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra]
             self.driver_out = os.path.join(workdir, f"p{k}-driver.out")
             with open(self.driver_out, "w") as f:
-                self.driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_tree_env(words[0]))
+                self.driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_tree_env(driver))
             self.driver_pid = self.driver.pid
         self.pids = [self.device.pid, self.driver_pid]
 
@@ -258,8 +267,10 @@ class Pair:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--path", choices=PATHS, default="packed")
-    ap.add_argument("--variants", default="dpdk;ours", help="';'-separated drivers (default: dpdk;ours)")
-    ap.add_argument("--device", default="dpdk", help="dpdk, ours or ours@TREE (default dpdk)")
+    ap.add_argument("--variants", default="dpdk;ours",
+                    help="';'-separated drivers, or DRIVER/DEVICE pairs as vring bench names them (default: dpdk;ours)")
+    ap.add_argument("--device", default="dpdk", help="dpdk, ours or ours@TREE: the device of a variant that names "
+                                                     "none (default dpdk)")
     ap.add_argument("--inject", type=int, default=32, help="packets in the loop (DPDK: whole bursts of 32)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--slice", type=float, default=0.4, help="seconds each pair runs per round")
@@ -284,19 +295,18 @@ def main():
     if not variants:
         ap.error("--variants: no variant")
     try:  # every variant checked before anything starts
-        for v in variants:
-            head, *rest = v.split()
-            if head == "dpdk" and rest:
+        sides = [_sides(v, args.device) for v in variants]
+        for v, (driver, device, extra) in zip(variants, sides):
+            if driver == "dpdk" and extra:
                 raise Failure(f"variant {v!r}: extra arguments are for our driver only")
-            if head != "dpdk" and head.split("@")[0] != "ours":
-                raise Failure(f"variant {v!r}: dpdk, ours or ours@TREE, then our driver's arguments")
-            if head != "dpdk":
-                _tree(head)
-        if args.device != "dpdk":
-            _tree(args.device)
+            if driver != "dpdk" and driver.split("@")[0] != "ours":
+                raise Failure(f"variant {v!r}: dpdk, ours, ours@TREE or DRIVER/DEVICE, then our driver's arguments")
+            for side in (driver, device):
+                if side != "dpdk":
+                    _tree(side)
     except Failure as e:
         ap.error(str(e))
-    if ("dpdk" in variants or args.device == "dpdk") and dpdk.skip_reason():
+    if any("dpdk" in s[:2] for s in sides) and dpdk.skip_reason():
         ap.error(dpdk.skip_reason())
 
     # SIGTERM ends the run as Ctrl-C does: through the clean-up below (no stopped testpmd left behind)
@@ -332,7 +342,8 @@ def main():
         shutil.rmtree(workdir, ignore_errors=True)
 
     base = pairs[0]
-    print(f"{args.path}, {args.inject} in flight, device {args.device}: {args.rounds} rounds of {args.slice} s slices")
+    print(f"{args.path}, {args.inject} in flight, device {args.device} unless the variant names one: {args.rounds} "
+          f"rounds of {args.slice} s slices")
     w = max(34, *(len(p.name) + 1 for p in pairs))
     print(f"{'driver':{w}} {'Mpps':>6} {'vs ' + base.name:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7}")
     out = {"config": vars(args), "variants": {}}

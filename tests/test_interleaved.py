@@ -60,7 +60,8 @@ def _run(tmp_path, *args, timeout=120):
     (["--cpus", "0,4096"], "may run on CPUs"),
     (["--cpus", "0"], "--cpus: DEVICE,DRIVER"),
     (["--variants", "dpdk --burst 8"], "extra arguments are for our driver only"),
-    (["--variants", "ours;testpmd"], "dpdk, ours or ours@TREE"),
+    (["--variants", "ours;testpmd"], "dpdk, ours, ours@TREE or DRIVER/DEVICE"),
+    (["--variants", "ours/vhost"], "dpdk, ours, ours@TREE or DRIVER/DEVICE"),
     (["--variants", "ours@/"], "is not a checkout of this project"),
     (["--device", "ours@/nonexistent"], "is not a checkout of this project"),
     (["--rounds", "0"], "must be positive"),
@@ -74,14 +75,14 @@ def test_refuses_before_starting_anything(tmp_path, args, says):
 
 def test_a_short_run_measures_every_variant_and_cleans_up(tmp_path):
     out = tmp_path / "r.json"
-    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --tx-publish 0", "--json", str(out))
+    r = _run(tmp_path, *SHORT, "--variants", "ours/ours;ours --tx-publish 0", "--json", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert list(doc["variants"]) == ["ours", "ours --tx-publish 0"]
+    assert list(doc["variants"]) == ["ours/ours", "ours --tx-publish 0"]
     for v in doc["variants"].values():
         assert len(v["rates"]) == 2 and min(v["rates"]) > 0
         assert v["ratio_q1"] <= v["ratio_median"] <= v["ratio_q3"]
-    assert doc["variants"]["ours"]["ratio_median"] == 1.0
+    assert doc["variants"]["ours/ours"]["ratio_median"] == 1.0
     assert "ours --tx-publish 0" in r.stdout
     _assert_clean(tmp_path)
 
