@@ -24,11 +24,14 @@ Where net_vhost's time goes (``--perf``): ``perf record -e cpu-clock`` on its fo
 nanoseconds per forwarded packet in each shared object (the core's time over the packets it forwarded: a cost per
 packet only while net_vhost is saturated, i.e. few empty dequeues; otherwise it includes its empty polling), and
 the hottest instructions (Debian's DPDK has no symbols for its static functions: those show as addresses;
-``objdump -d`` of the library shows them).
+``objdump -d`` of the library shows them, and ``readelf --debug-dump=frames`` its functions' bounds). ``--perf-keep
+DIR`` keeps each window's perf.data there (``PATH-ours-HHMMSS.data``, ``PATH-dpdk-...``) for ``perf report`` /
+``perf annotate``.
 
     python benchmarks/driver_vs_dpdk.py [--seconds 8] [--period 1] [--warmup 2] [--rounds 1] [--paths split,packed]
     python benchmarks/driver_vs_dpdk.py --paths split --driver-arg=--tx-hdr=chain    # our header in its own descriptor
     python benchmarks/driver_vs_dpdk.py --rounds 2 --tx-first-bursts 8 --perf         # net_vhost's profile per driver
+    python benchmarks/driver_vs_dpdk.py --paths packed --tx-first-bursts 8 --perf --perf-keep /tmp/pk
 
 Prints one JSON document. Not a test.
 """
@@ -84,19 +87,27 @@ def perf_skip_reason():
 class DeviceProfile:
     """cpu-clock samples of net_vhost's forwarding CPU (``perf record -C``) while one driver is measured."""
 
-    def __init__(self, cpu, seconds, tmp):
+    def __init__(self, cpu, seconds, tmp, keep=None, name="perf"):
+        self.keep = keep and os.path.join(keep, f"{name}-{time.strftime('%H%M%S')}.data")
         self.path = os.path.join(tmp, f"perf-{time.monotonic_ns()}.data")
         self.proc = subprocess.Popen(["perf", "record", "-q", "-C", str(cpu), "-e", "cpu-clock", "-F", "4999",
                                       "-o", self.path, "--", "sleep", str(seconds)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def close(self):
-        """Stop perf if the window ended early, and remove its data file."""
+        """Stop perf if the window ended early; remove its data file, or move it into --perf-keep."""
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.communicate()
         if os.path.exists(self.path):
-            os.unlink(self.path)
+            if self.keep:
+                dest, n = self.keep, 1
+                while os.path.exists(dest):   # two windows in one second (--seconds < 1, --rounds)
+                    n += 1
+                    dest = f"{self.keep.removesuffix('.data')}-{n}.data"
+                shutil.move(self.path, dest)
+            else:
+                os.unlink(self.path)
 
     def report(self, pps, top=8):
         """Shares by shared object and the `top` hottest instructions; ns per packet from the measured rate."""
@@ -128,10 +139,11 @@ def sample(tp, seconds, period, warmup, alive=lambda: True):
             "samples": [round(x) for x in kept]}
 
 
-def measure_window(tp, args, alive=lambda: True):
+def measure_window(tp, args, name, alive=lambda: True):
     """After the warm-up: net_vhost's rate samples, its burst statistics and (--perf) its profile, over one window."""
     bursts = device_bursts(tp, args.warmup * args.period)
-    prof = DeviceProfile(tp.fwd_cpu, args.seconds, os.path.dirname(tp.socket_path)) if args.perf else None
+    prof = DeviceProfile(tp.fwd_cpu, args.seconds, os.path.dirname(tp.socket_path), args.perf_keep,
+                         name) if args.perf else None
     try:
         r = sample(tp, args.seconds, args.period, 0, alive=alive)
         r["net_vhost_bursts"] = bursts()
@@ -143,7 +155,7 @@ def measure_window(tp, args, alive=lambda: True):
     return r
 
 
-def measure_ours(tp, packed, in_order, args):
+def measure_ours(tp, path, packed, in_order, args):
     total = (args.warmup + round(args.seconds / args.period)) * args.period + 2
     argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", tp.socket_path, "--json",
             "--split" if not packed else "--packed", "--in-order" if in_order else "--no-in-order",
@@ -153,7 +165,7 @@ def measure_ours(tp, packed, in_order, args):
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         tp.wait_link_up(timeout=30)
-        r = measure_window(tp, args, alive=lambda: proc.poll() is None)
+        r = measure_window(tp, args, f"{path}-ours", alive=lambda: proc.poll() is None)
         out, err = proc.communicate(timeout=total + 30)
         if proc.returncode:
             raise RuntimeError(f"vring driver failed: {err}")
@@ -168,7 +180,7 @@ def measure_ours(tp, packed, in_order, args):
             proc.communicate()
 
 
-def measure_dpdk(tp, packed, in_order, args):
+def measure_dpdk(tp, path, packed, in_order, args):
     v = dpdk.Testpmd.virtio_user(tp.socket_path, packed=packed, in_order=in_order, mrg_rxbuf=True, fwd="mac",
                                  burst=args.burst, tx_first=True, lcores=(0, 1), autostart=False)
     try:
@@ -180,7 +192,7 @@ def measure_dpdk(tp, packed, in_order, args):
             out = v.command(f"start tx_first {args.tx_first_bursts}")
             if "forwarding" not in out:
                 raise RuntimeError(f"testpmd did not start: {out[-300:]}")
-        return measure_window(tp, args)
+        return measure_window(tp, args, f"{path}-dpdk")
     finally:
         v.close()
 
@@ -236,7 +248,11 @@ def main():
                     help="extra `vring driver` argument (repeat), e.g. --driver-arg=--spin=0")
     ap.add_argument("--perf", action="store_true",
                     help="profile net_vhost's forwarding CPU (perf cpu-clock) while each driver is measured")
+    ap.add_argument("--perf-keep", metavar="DIR",
+                    help="with --perf: keep each window's perf.data in DIR (PATH-DRIVER-HHMMSS.data) for perf report")
     args = ap.parse_args()
+    if args.perf_keep and not (args.perf and os.path.isdir(args.perf_keep)):
+        sys.exit("--perf-keep needs --perf and an existing directory")
     if dpdk.skip_reason():
         sys.exit(dpdk.skip_reason())
     if args.perf and perf_skip_reason():
@@ -252,8 +268,8 @@ def main():
             try:
                 tp.start(60)
                 tp.clear_stats()
-                ours = measure_ours(tp, packed, in_order, args)
-                dpdk_r = measure_dpdk(tp, packed, in_order, args)
+                ours = measure_ours(tp, name, packed, in_order, args)
+                dpdk_r = measure_dpdk(tp, name, packed, in_order, args)
             finally:
                 tp.close()
                 shutil.rmtree(tmp, ignore_errors=True)

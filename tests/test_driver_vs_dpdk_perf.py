@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import subprocess
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,3 +71,26 @@ def test_a_window_with_no_packets_is_still_json(monkeypatch, tmp_path):
     assert summary["librte_vhost.so.23.0"] == {"vring_driver": 75.0, "dpdk_virtio_user": 75.0}
     only_empty = _strict(m.profile_summary(rounds[:1]))
     assert only_empty["librte_vhost.so.23.0"]["vring_driver"] is None
+
+
+def test_perf_keep_moves_the_window_data_into_the_directory(tmp_path):
+    """--perf-keep DIR: close() moves the window's perf.data into DIR under the window's name; without it the file
+    is removed, as before. A second window of the same name in the same second does not overwrite the first."""
+    m = _module()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    for kept in (str(keep), str(keep), None):
+        p = m.DeviceProfile.__new__(m.DeviceProfile)
+        p.path, p.proc = str(tmp_path / "perf.data"), _Done()
+        p.keep = kept and os.path.join(kept, "packed-ours-120000.data")
+        (tmp_path / "perf.data").write_bytes(b"PERFILE2")
+        p.close()
+        assert not (tmp_path / "perf.data").exists()
+    assert sorted(f.name for f in keep.iterdir()) == ["packed-ours-120000-2.data", "packed-ours-120000.data"]
+
+
+def test_perf_keep_needs_perf_and_a_directory(tmp_path):
+    script = os.path.join(ROOT, "benchmarks", "driver_vs_dpdk.py")
+    for argv in (["--perf-keep", str(tmp_path)], ["--perf", "--perf-keep", str(tmp_path / "missing")]):
+        p = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0 and "--perf-keep needs --perf and an existing directory" in p.stderr
