@@ -55,8 +55,8 @@ def register(sub):
                    help="measure the time spent in iterations that moved packets (busy_ns counter)")
     p.add_argument("--crash-after", type=int, default=0, metavar="N",
                    help="fault injection: exit at once (as a kill -9 would: nothing cleaned up) right after the Nth "
-                        "enqueue that delivered packets, before the Tx chains they came from are completed: the "
-                        "window a restarting frontend must handle (default 0: never)")
+                        "enqueue that delivered packets; with inflight tracking, before the Tx chains they came from "
+                        "are completed: the window a restarting frontend must handle (default 0: never)")
     p.add_argument("--ctl", metavar="PATH", help="serve ring dumps on this control socket (vring dump --ctl)")
     p.add_argument("--pcap", metavar="FILE", help="write the frames taken off and put on the rings (pcap; "
                    "captured one burst at a time, which drains the intermediate queue after every burst; every frame "

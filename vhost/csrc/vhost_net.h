@@ -206,7 +206,8 @@ static inline int vh_dequeue_burst(struct vh_net *n)
  * (packed), then at most one call. The loop does this right after the dequeue when the frames were copied
  * out (as DPDK's vhost does): a driver that gets its packets back must find their Tx descriptors free, or
  * with as many packets in flight as the Tx ring holds it drops (testpmd does not retry). Without the
- * staging copy (direct) it comes after the enqueue, which still reads the Tx buffers. */
+ * staging copy (direct) it comes inside the flush, once the enqueue has read the Tx buffers and before it
+ * publishes the Rx side (vh_txq_flush). */
 static inline void vh_tx_complete(struct vh_net *n)
 {
     if (!n->tx_unflushed)
@@ -419,7 +420,8 @@ static inline const uint8_t *vh_staged(struct vh_net *n, uint32_t i)
 
 /* One enqueue attempt of packets [first, first+count) of the intermediate queue.
  * Returns the packets consumed (delivered or dropped as too big); *delivered counts the first kind.
- * Stops at the first packet for which no Rx buffer is left. -1: the Rx queue broke. */
+ * Stops at the first packet for which no Rx buffer is left. -1: the Rx queue broke. The used entries are pushed;
+ * the caller publishes them (per buffer: each packet's here, NET-31). */
 static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t count, uint32_t *delivered)
 {
     struct vq_device *q = n->rxq;
@@ -520,7 +522,6 @@ static inline int vh_enqueue_attempt(struct vh_net *n, uint32_t first, uint32_t 
         vq_dev_push_used(q, n->ids, n->lens, m);
         n->st.rx_buffers += m;
     }
-    vhi_flush(q, n->rx_inf);
     n->st.rx_packets += dl;
     n->st.rx_bytes += bytes;
     *delivered = dl;
@@ -552,11 +553,19 @@ static inline int vh_txq_flush(struct vh_net *n)
         }
         first += (uint32_t)r;
         left -= (uint32_t)r;
+        int last = left == 0 || delivered == 0 || attempt >= n->retries;
+        /* direct, untracked: the Tx buffers are read now; completed before the Rx publish, as a staged burst is
+         * completed before its enqueue, so that a driver that gets a frame back finds its Tx descriptors free
+         * (with as many frames in flight as the Tx ring holds, a preempted backend made it drop them). Tracked:
+         * after, or a kill -9 between the two would lose the frames the successor must take again. */
+        if (last && n->direct && !n->tx_inf)
+            vh_tx_complete(n);
+        vhi_flush(n->rxq, n->rx_inf);
         if (n->hook)
             n->hook(n->hook_ctx, attempt, delivered, left);
         if (n->crash_after && delivered && --n->crash_after == 0)
-            _exit(9);   /* vring vhost --crash-after: dies as a kill -9 would, Rx published, Tx not completed */
-        if (left == 0 || delivered == 0 || attempt >= n->retries)
+            _exit(9);   /* vring vhost --crash-after: dies as a kill -9 would, Rx published (tracked: Tx not completed) */
+        if (last)
             break;
         attempt++;
         n->st.rx_retries++;
