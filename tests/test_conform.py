@@ -171,7 +171,10 @@ def test_conform_device_inorder_02_catches_out_of_order_use(tmp_path, packed):
 def test_conform_device_inorder_02_catches_out_of_order_use_published_one_entry_at_a_time(tmp_path, seed):
     """Found by attack43: split, IN_ORDER, used entries last buffer first, each published on its own. The harness
     read the first entry (a buffer beyond what used idx covers in avail order) as a short batch and stopped:
-    INORDER-07, or INORDER-02, depending on timing. The entry after it now tells which: INORDER-02, every run."""
+    INORDER-07, or INORDER-02, depending on timing. The entry after it now tells which: INORDER-02, every run.
+    When the harness looks only after both entries are out (a loaded machine: CI beside a benchmark), used idx
+    covers the two and the state in memory is a batch of two whose skipped slot names its older buffer: INORDER-02
+    then comes with INORDER-08, worded from that slot; either wording names the order."""
     sock = str(tmp_path / "bad.sock")
     dev = FaultyDevice(sock, "reorder-apart")
     wait_socket(sock, None)
@@ -181,7 +184,8 @@ def test_conform_device_inorder_02_catches_out_of_order_use_published_one_entry_
     assert rc == 1, (rc, err)
     f = failed(rep)
     assert "INORDER-02" in f and "INORDER-07" not in f, f
-    assert "buffers used out of order" in f["INORDER-02"][0], f
+    first = f["INORDER-02"][0]
+    assert "buffers used out of order" in first or "which was made available after it" in first, f
 
 
 def test_conform_driver_that_leaves_early_is_no_pass(tmp_path):
