@@ -40,6 +40,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,17 @@ def device_bursts(tp, warmup_s):
     return lambda: parse_bursts(tp.command("show fwd stats all"))
 
 
+def _writable_dir(d):
+    """Can a file be created in directory `d`? (tried, not guessed from its mode: root passes every mode check)"""
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".perf-keep-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(probe)
+    return True
+
+
 def perf_skip_reason():
     """Why --perf cannot run here ('' when it can): perf missing, or not allowed to sample a CPU."""
     if shutil.which("perf") is None:
@@ -87,7 +99,8 @@ def perf_skip_reason():
 class DeviceProfile:
     """cpu-clock samples of net_vhost's forwarding CPU (``perf record -C``) while one driver is measured."""
 
-    def __init__(self, cpu, seconds, tmp, keep=None, name="perf"):
+    def __init__(self, cpu, seconds, tmp, keep=None, name="perf", pid=None):
+        self.pid = pid   # net_vhost's testpmd: the report counts its samples only
         self.keep = keep and os.path.join(keep, f"{name}-{time.strftime('%H%M%S')}.data")
         self.path = os.path.join(tmp, f"perf-{time.monotonic_ns()}.data")
         self.proc = subprocess.Popen(["perf", "record", "-q", "-C", str(cpu), "-e", "cpu-clock", "-F", "4999",
@@ -117,8 +130,11 @@ class DeviceProfile:
         ns = 1e9 / pps if pps > 0 else None   # nothing forwarded in the window: no per-packet figure (JSON null)
 
         def rows(sort):
-            out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "-q", "-n", "-t", ";", "--sort", sort],
-                                 capture_output=True, text=True, check=True).stdout
+            # shares of all the CPU's samples (absolute), of net_vhost's process only: another process on that
+            # CPU is not net_vhost's time (attack54: 24% of the samples were two unrelated python3 processes)
+            only = ["--pid", str(self.pid), "--percentage", "absolute"] if self.pid else []
+            out = subprocess.run(["perf", "report", "-i", self.path, "--stdio", "-q", "-n", "-t", ";", *only,
+                                  "--sort", sort], capture_output=True, text=True, check=True).stdout
             return [[f.strip() for f in line.split(";")] for line in out.splitlines() if line.count(";") >= 2]
 
         by_dso = [{"dso": r[2], "share": float(r[0].rstrip("%")) / 100, "samples": int(r[1])} for r in rows("dso")]
@@ -127,6 +143,7 @@ class DeviceProfile:
         hot = [{"dso": r[2], "where": r[3].removeprefix("[.] "), "share": float(r[0].rstrip("%")) / 100}
                for r in rows("dso,sym")[:top]]
         return {"samples": sum(d["samples"] for d in by_dso), "device_ns_per_packet": ns and round(ns, 2),
+                "other_processes_share": round(max(0.0, 1 - sum(d["share"] for d in by_dso)), 4),
                 "by_dso": by_dso, "hottest": hot}
 
 
@@ -143,7 +160,7 @@ def measure_window(tp, args, name, alive=lambda: True):
     """After the warm-up: net_vhost's rate samples, its burst statistics and (--perf) its profile, over one window."""
     bursts = device_bursts(tp, args.warmup * args.period)
     prof = DeviceProfile(tp.fwd_cpu, args.seconds, os.path.dirname(tp.socket_path), args.perf_keep,
-                         name) if args.perf else None
+                         name, tp.pid) if args.perf else None
     try:
         r = sample(tp, args.seconds, args.period, 0, alive=alive)
         r["net_vhost_bursts"] = bursts()
@@ -168,7 +185,7 @@ def measure_ours(tp, path, packed, in_order, args):
         r = measure_window(tp, args, f"{path}-ours", alive=lambda: proc.poll() is None)
         out, err = proc.communicate(timeout=total + 30)
         if proc.returncode:
-            raise RuntimeError(f"vring driver failed: {err}")
+            raise RuntimeError(f"vring driver failed (status {proc.returncode}): {err.strip()[-1000:]}")
         res = json.loads(out)
         r["driver_avg_rx_pps"] = res["rx_pps"]
         r["driver_counters"] = {"rx": res["rx"]["packets"], "tx": res["tx"]["packets"],
@@ -251,12 +268,24 @@ def main():
     ap.add_argument("--perf-keep", metavar="DIR",
                     help="with --perf: keep each window's perf.data in DIR (PATH-DRIVER-HHMMSS.data) for perf report")
     args = ap.parse_args()
-    if args.perf_keep and not (args.perf and os.path.isdir(args.perf_keep)):
-        sys.exit("--perf-keep needs --perf and an existing directory")
+    keep = args.perf_keep
+    if keep is not None and not (args.perf and os.path.isdir(keep) and _writable_dir(keep)):
+        sys.exit("--perf-keep needs --perf and an existing directory it can write into")
+    bad = [p for p in args.paths.split(",") if p not in PATHS]
+    if bad:
+        sys.exit(f"--paths: {', '.join(bad)} not one of {', '.join(PATHS)}")
     if dpdk.skip_reason():
         sys.exit(dpdk.skip_reason())
     if args.perf and perf_skip_reason():
         sys.exit(perf_skip_reason())
+    signal.signal(signal.SIGTERM, signal.default_int_handler)   # through the clean-up below, as Ctrl-C
+    try:
+        run(args)
+    except KeyboardInterrupt:
+        sys.exit("driver_vs_dpdk: interrupted")
+
+
+def run(args):
     out = {"config": vars(args), "paths": {}}
     for name in args.paths.split(","):
         packed, in_order = PATHS[name]

@@ -3,13 +3,16 @@
 Several driver/device pairs are alive at once, on the same two CPUs, and run in turn: all but one are stopped
 (SIGSTOP), the running one is measured for a short slice (--slice, 0.4 s) and stopped, the next one continued
 (SIGCONT). Every round measures each pair once, in alternating order, so the rates compared were measured within
-a second or so of each other; the per-round ratios to the first variant cancel the machine's slow drifts. That is
+a second or so of each other; the per-round ratios to the first variant cancel the machine's slow drifts. A
+first round before --rounds is run and not counted (a pair continued for the first time runs far below its
+rate). That is
 what `vring bench --repeat` cannot do: there each point starts its processes anew, seconds apart, and on this
 2-vCPU VM the speed swings 2x between regimes (see vring.bench.speed_regimes).
 
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
-``ours`` runs this checkout's driver and ``ours@TREE`` that of another (PYTHONPATH=TREE: an A/B of a code change).
+``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
+a code change). Each variant at most once; --inject at most the rings' 256 (a multiple of 32 with DPDK's driver).
 Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats: the share of its
 dequeues that found nothing, median over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd
 macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
@@ -24,6 +27,7 @@ Prints a table (median rate, median and quartiles of the per-round ratio to the 
 every slice. Not a test: run it alone on the machine.
 """
 import argparse
+import glob
 import json
 import os
 import re
@@ -42,6 +46,16 @@ from vring import dpdk  # noqa: E402
 
 PATHS = ("split", "split-inorder", "packed", "packed-inorder")
 STATS_INTERVAL = 0.05   # our backend's stats lines: several per slice
+RING = 256              # both drivers' queue size
+BUILT = ("rings/_virtq", "virtio/_net", "vhost/_net")   # the C modules a checkout must have built
+
+
+def _writable(path):
+    """Can `path` be written as a file (checked before the run, not after it)?"""
+    if os.path.isdir(path):
+        return False
+    d = os.path.dirname(os.path.abspath(path))
+    return os.path.isdir(d) and os.access(d, os.W_OK) and (not os.path.exists(path) or os.access(path, os.W_OK))
 
 
 def _signal(pids, sig):
@@ -70,9 +84,17 @@ def _tree(spec):
     """'ours' -> this checkout; 'ours@TREE' -> TREE, which must be a checkout (vring/ and virtio/ built in it)."""
     if "@" not in spec:
         return REPO
-    tree = os.path.abspath(spec.split("@", 1)[1])
+    given = spec.split("@", 1)[1]
+    if not given:
+        raise Failure(f"{spec!r}: no tree after '@'")
+    tree = os.path.abspath(given)
     if not (os.path.isdir(os.path.join(tree, "vring")) and os.path.isdir(os.path.join(tree, "virtio"))):
         raise Failure(f"{spec!r}: {tree} is not a checkout of this project (no vring/ and virtio/ in it)")
+    # an unbuilt tree would import the C modules of whatever checkout is installed: the A/B would be void
+    unbuilt = [m for m in BUILT if not glob.glob(os.path.join(tree, m + ".*.so"))]
+    if unbuilt:
+        raise Failure(f"{spec!r}: {tree} is not built (no {', '.join(unbuilt)}; "
+                      f"`python3 setup.py build_ext --inplace` there)")
     return tree
 
 
@@ -190,7 +212,7 @@ class Pair:
     def __init__(self, variant):
         self.name = variant
         self.device = self.driver = self.driver_out = None
-        self.pids, self.rates, self.dequeues, self.packets = [], [], [], 0
+        self.pids, self.rates, self.dequeues = [], [], []
 
     def start(self, k, args, workdir):
         variant = self.name
@@ -201,7 +223,7 @@ class Pair:
                        else OurDevice(device, sock, workdir, args.cpus))
         if driver == "dpdk":
             self.driver = dpdk.Testpmd.virtio_user(
-                sock, packed=packed, in_order=in_order, mrg_rxbuf=True, queue_size=256, burst=32, fwd="mac",
+                sock, packed=packed, in_order=in_order, mrg_rxbuf=True, queue_size=RING, burst=32, fwd="mac",
                 tx_first=True, autostart=False, lcores=(args.cpus[0], args.cpus[1]), extra=["--txpkts=64"],
                 log_path=os.path.join(workdir, f"p{k}-driver.log"))
             self.driver.start(60)
@@ -211,7 +233,8 @@ class Pair:
         else:
             argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
                     "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
-                    "--mrg-rxbuf", "--burst", "32", "--ring-size", "256", "--pkt-size", "64", "--seconds", "86400",
+                    "--mrg-rxbuf", "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
+                    "--seconds", "86400",
                     "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra]
             self.driver_out = os.path.join(workdir, f"p{k}-driver.out")
             with open(self.driver_out, "w") as f:
@@ -220,16 +243,18 @@ class Pair:
         self.pids = [self.device.pid, self.driver_pid]
 
     def check(self):
-        """Raise, with the tail of what the dead one printed, if the driver or the device exited."""
+        """Raise, with the tail of what the dead one printed, if the device or the driver exited. The device first:
+        a driver whose device died exits too (PeerGone), and the cause is the device."""
+        if not self.device.alive():
+            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}")
         if isinstance(self.driver, subprocess.Popen):
             if self.driver.poll() is not None:
                 raise Failure(f"{self.name}: the driver exited ({self.driver.returncode}):\n{_tail(self.driver_out)}")
         elif not self.driver.running:
-            raise Failure(f"{self.name}: testpmd virtio_user exited:\n" + "\n".join(self.driver.log.splitlines()[-12:]))
-        if not self.device.alive():
-            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}")
+            raise Failure(f"{self.name}: testpmd virtio_user exited (status {self.driver.returncode}):\n"
+                          + "\n".join(self.driver.log.splitlines()[-12:]))
 
-    def slice(self, seconds):
+    def slice(self, seconds, keep=True):
         """Run the pair for `seconds`; its rate and net_vhost's dequeue counts over that time.  Those counts are
         per slice, read while both sides run: a device running alone, or while a command to one testpmd takes the
         CPU the other's loop runs on, finds nothing for milliseconds, and a cumulative count would keep that."""
@@ -243,13 +268,13 @@ class Pair:
             n1, t1 = self.device.count()
         d = self.device.dequeues()
         _signal(self.pids, signal.SIGSTOP)
-        if d is not None:
-            self.dequeues.append(d)
         self.check()
         if n1 <= n0:  # no rate to compare (and none to divide by)
             raise Failure(f"{self.name}: the device received nothing in {seconds + 2} s")
-        self.rates.append((n1 - n0) / (t1 - t0))
-        self.packets += n1 - n0
+        if keep:
+            if d is not None:
+                self.dequeues.append(d)
+            self.rates.append((n1 - n0) / (t1 - t0))
 
     def close(self):
         """Continue, then stop both sides; the device even if stopping the driver failed."""
@@ -289,11 +314,18 @@ def main():
         ap.error("--cpus: DEVICE,DRIVER")
     if not set(args.cpus) <= set(allowed):
         ap.error(f"--cpus {args.cpus[0]},{args.cpus[1]}: this process may run on CPUs {allowed} only")
-    if args.rounds < 1 or args.slice <= 0 or args.inject < 1 or args.warmup < 0:
-        ap.error("--rounds, --slice and --inject must be positive, --warmup not negative")
+    if args.rounds < 1 or args.inject < 1 or not 0 < args.slice <= 3600 or not 0 <= args.warmup <= 3600:
+        ap.error("--rounds and --inject must be positive, --slice 0 < S <= 3600, --warmup 0 <= S <= 3600")
+    if args.inject > RING:
+        ap.error(f"--inject {args.inject}: at most {RING} (both drivers' rings hold {RING})")
     variants = [v.strip() for v in args.variants.split(";") if v.strip()]
     if not variants:
         ap.error("--variants: no variant")
+    twice = sorted({v for v in variants if variants.count(v) > 1})
+    if twice:
+        ap.error(f"--variants: {', '.join(map(repr, twice))} more than once (the results are keyed by variant)")
+    if args.json and not _writable(args.json):
+        ap.error(f"--json {args.json}: cannot write there")
     try:  # every variant checked before anything starts
         sides = [_sides(v, args.device) for v in variants]
         for v, (driver, device, extra) in zip(variants, sides):
@@ -308,24 +340,32 @@ def main():
         ap.error(str(e))
     if any("dpdk" in s[:2] for s in sides) and dpdk.skip_reason():
         ap.error(dpdk.skip_reason())
+    if any(s[0] == "dpdk" for s in sides) and args.inject % 32:
+        ap.error(f"--inject {args.inject}: DPDK's driver injects whole bursts of 32 (start tx_first N)")
 
     # SIGTERM ends the run as Ctrl-C does: through the clean-up below (no stopped testpmd left behind)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     workdir = tempfile.mkdtemp(prefix="vring-interleaved-")
     pairs = []
     try:
+        at = None   # the pair a testpmd error comes from
         for k, v in enumerate(variants):
-            pair = Pair(v)
+            pair = at = Pair(v)
             pairs.append(pair)
             pair.start(k, args, workdir)
             time.sleep(args.warmup)
             pair.check()
             _signal(pair.pids, signal.SIGSTOP)
-        for r in range(args.rounds):
+        # round 0 is not counted: a pair continued for the first time after its warm-up ran far below its rate
+        # (attack54: 0.03-0.4 Mpps against 2-4.6 in later rounds with --warmup 0.2)
+        for r in range(args.rounds + 1):
             for pair in (pairs if r % 2 == 0 else pairs[::-1]):
-                pair.slice(args.slice)
-    except (Failure, dpdk.TestpmdError) as e:
+                at = pair
+                pair.slice(args.slice, keep=r > 0)
+    except Failure as e:
         sys.exit(f"interleaved: {e}")
+    except dpdk.TestpmdError as e:
+        sys.exit(f"interleaved: {at.name if at else ''}: {e}")
     except KeyboardInterrupt:
         sys.exit("interleaved: interrupted")
     finally:

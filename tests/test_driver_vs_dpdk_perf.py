@@ -37,10 +37,12 @@ class _Done:
 
 def _profile(m, monkeypatch, tmp_path):
     def run(argv, **kw):
+        seen.append(argv)
         return subprocess.CompletedProcess(argv, 0, REPORTS[argv[argv.index("--sort") + 1]], "")
+    seen = []
     monkeypatch.setattr(m.subprocess, "run", run)
     p = m.DeviceProfile.__new__(m.DeviceProfile)
-    p.path, p.proc = str(tmp_path / "perf.data"), _Done()
+    p.path, p.proc, p.pid, p.argvs = str(tmp_path / "perf.data"), _Done(), None, seen
     return p
 
 
@@ -57,6 +59,17 @@ def test_ns_per_packet_is_the_share_of_the_time_per_packet(monkeypatch, tmp_path
     assert [(d["dso"], d["ns_per_packet"]) for d in r["by_dso"]] == [("librte_vhost.so.23.0", 75.0),
                                                                       ("dpdk-testpmd", 25.0)]
     assert [h["where"] for h in r["hottest"]] == ["0x000000000004c9c9", "main"]
+
+
+def test_only_net_vhost_samples_are_counted(monkeypatch, tmp_path):
+    """attack54: perf record -C samples every process on the CPU; two unrelated python3 processes made 24% of what
+    was reported as net_vhost's time. The report keeps net_vhost's pid, shares of all the CPU's samples."""
+    m = _module()
+    p = _profile(m, monkeypatch, tmp_path)
+    p.pid = 4242
+    r = p.report(1e7)
+    assert all(a[a.index("--pid") + 1] == "4242" and a[a.index("--percentage") + 1] == "absolute" for a in p.argvs)
+    assert r["other_processes_share"] == 0.0
 
 
 def test_a_window_with_no_packets_is_still_json(monkeypatch, tmp_path):
@@ -91,6 +104,10 @@ def test_perf_keep_moves_the_window_data_into_the_directory(tmp_path):
 
 def test_perf_keep_needs_perf_and_a_directory(tmp_path):
     script = os.path.join(ROOT, "benchmarks", "driver_vs_dpdk.py")
-    for argv in (["--perf-keep", str(tmp_path)], ["--perf", "--perf-keep", str(tmp_path / "missing")]):
+    for argv in (["--perf-keep", str(tmp_path)], ["--perf", "--perf-keep", str(tmp_path / "missing")],
+                 ["--perf", "--perf-keep", ""], ["--perf", "--perf-keep", str(tmp_path / "f")]):
+        (tmp_path / "f").write_text("")
         p = subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, timeout=60)
-        assert p.returncode != 0 and "--perf-keep needs --perf and an existing directory" in p.stderr
+        assert p.returncode != 0 and "--perf-keep needs --perf and an existing directory" in p.stderr, argv
+    p = subprocess.run([sys.executable, script, "--paths", "split,bogus"], capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--paths: bogus not one of" in p.stderr and "Traceback" not in p.stderr
