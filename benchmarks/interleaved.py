@@ -289,6 +289,23 @@ class Pair:
                 self.device.close()
 
 
+def summary(pairs):
+    """Per variant (name -> dict): its rates, the median and quartiles (inclusive) of its per-round ratios to the
+    first pair's rate in the same round, and the medians over slices of net_vhost's empty-dequeue share and
+    dequeues per 32 packets (None with our device)."""
+    base, out = pairs[0], {}
+    for pair in pairs:
+        ratios = [x / y for x, y in zip(pair.rates, base.rates)]
+        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+        e = [statistics.median(x) for x in zip(*pair.dequeues)] if pair.dequeues else None
+        out[pair.name] = {"rates": pair.rates, "ratio_median": statistics.median(ratios),
+                          "ratio_q1": q[0], "ratio_q3": q[2],
+                          "empty_dequeue_share": None if e is None else e[0],
+                          "dequeues_per_32": None if e is None else e[1],
+                          "dequeues_per_slice": pair.dequeues}
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--path", choices=PATHS, default="packed")
@@ -386,19 +403,12 @@ def main():
           f"rounds of {args.slice} s slices")
     w = max(34, *(len(p.name) + 1 for p in pairs))
     print(f"{'driver':{w}} {'Mpps':>6} {'vs ' + base.name:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7}")
-    out = {"config": vars(args), "variants": {}}
-    for pair in pairs:
-        ratios = [x / y for x, y in zip(pair.rates, base.rates)]
-        q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-        e = [statistics.median(x) for x in zip(*pair.dequeues)] if pair.dequeues else None
-        print(f"{pair.name:{w}} {statistics.median(pair.rates) / 1e6:6.2f} {statistics.median(ratios):14.3f} "
-              f"{q[0]:6.3f} {q[2]:6.3f} {'' if e is None else f'{e[0]:.0%}':>10} "
-              f"{'' if e is None else f'{e[1]:.2f}':>7}")
-        out["variants"][pair.name] = {"rates": pair.rates, "ratio_median": statistics.median(ratios),
-                                      "ratio_q1": q[0], "ratio_q3": q[2],
-                                      "empty_dequeue_share": None if e is None else e[0],
-                                      "dequeues_per_32": None if e is None else e[1],
-                                      "dequeues_per_slice": pair.dequeues}
+    out = {"config": vars(args), "variants": summary(pairs)}
+    for name, v in out["variants"].items():
+        e, d = v["empty_dequeue_share"], v["dequeues_per_32"]
+        print(f"{name:{w}} {statistics.median(v['rates']) / 1e6:6.2f} {v['ratio_median']:14.3f} "
+              f"{v['ratio_q1']:6.3f} {v['ratio_q3']:6.3f} {'' if e is None else f'{e:.0%}':>10} "
+              f"{'' if d is None else f'{d:.2f}':>7}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -150,3 +150,27 @@ def test_a_signal_mid_run_continues_and_stops_every_pair(tmp_path, sig):
             p.wait()
     assert p.returncode == 1 and "interrupted" in err and "Traceback" not in err
     _assert_clean(tmp_path)
+
+
+def test_summary_arithmetic_on_recorded_slices():
+    """attack54's surviving mutants in the summary: a ratio inverted, the median taken as a mean, the quartiles by
+    the exclusive method (outside the data), the dequeue medians per column swapped."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("interleaved", TOOL)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+
+    class P:
+        def __init__(self, name, rates, dequeues=()):
+            self.name, self.rates, self.dequeues = name, rates, list(dequeues)
+
+    base = P("dpdk", [10.0, 10.0, 10.0, 10.0, 10.0])
+    other = P("ours", [10.0, 20.0, 30.0, 40.0, 100.0], [(0.1, 1.0), (0.2, 3.0), (0.9, 2.0)])
+    s = m.summary([base, other])
+    assert list(s) == ["dpdk", "ours"]
+    assert s["dpdk"]["ratio_median"] == 1.0 and s["dpdk"]["empty_dequeue_share"] is None
+    o = s["ours"]
+    assert (o["ratio_q1"], o["ratio_median"], o["ratio_q3"]) == (2.0, 3.0, 4.0)   # ratios 1, 2, 3, 4, 10
+    assert (o["empty_dequeue_share"], o["dequeues_per_32"]) == (0.2, 2.0)
+    one = m.summary([P("a", [5.0]), P("b", [10.0])])["b"]
+    assert (one["ratio_q1"], one["ratio_median"], one["ratio_q3"]) == (2.0, 2.0, 2.0)
