@@ -108,19 +108,27 @@ class DeviceProfile:
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def close(self):
-        """Stop perf if the window ended early; remove its data file, or move it into --perf-keep."""
-        if self.proc.poll() is None:
+        """Stop perf if the window ended early; remove its data file, or move it into --perf-keep (an early end
+        is named -cut: its samples do not cover the window). A directory that can no longer be written is a
+        warning, not the end of the run: the data is removed, the figures go on."""
+        cut = self.proc.poll() is None
+        if cut:
             self.proc.terminate()
             self.proc.communicate()
-        if os.path.exists(self.path):
-            if self.keep:
-                dest, n = self.keep, 1
-                while os.path.exists(dest):   # two windows in one second (--seconds < 1, --rounds)
-                    n += 1
-                    dest = f"{self.keep.removesuffix('.data')}-{n}.data"
+        if not os.path.exists(self.path):
+            return
+        if self.keep:
+            stem, n = self.keep.removesuffix(".data") + ("-cut" if cut else ""), 1
+            dest = stem + ".data"
+            while os.path.exists(dest):   # two windows in one second (--seconds < 1, --rounds)
+                n += 1
+                dest = f"{stem}-{n}.data"
+            try:
                 shutil.move(self.path, dest)
-            else:
-                os.unlink(self.path)
+                return
+            except OSError as e:
+                print(f"driver_vs_dpdk: --perf-keep: {dest}: {e.strerror or e}; not kept", file=sys.stderr)
+        os.unlink(self.path)
 
     def report(self, pps, top=8):
         """Shares by shared object and the `top` hottest instructions; ns per packet from the measured rate."""

@@ -111,3 +111,31 @@ def test_perf_keep_needs_perf_and_a_directory(tmp_path):
         assert p.returncode != 0 and "--perf-keep needs --perf and an existing directory" in p.stderr, argv
     p = subprocess.run([sys.executable, script, "--paths", "split,bogus"], capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "--paths: bogus not one of" in p.stderr and "Traceback" not in p.stderr
+
+
+class _Running(_Done):
+    returncode = None
+
+    def poll(self):
+        return None
+
+    def terminate(self):
+        pass
+
+
+def test_perf_keep_names_a_cut_window_and_survives_an_unwritable_directory(tmp_path, capsys):
+    """attack54: a window interrupted early was kept under a normal name; a --perf-keep directory that could no
+    longer be written ended the run in a traceback after the first window, and every figure was lost."""
+    m = _module()
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    p = m.DeviceProfile.__new__(m.DeviceProfile)
+    p.path, p.proc = str(tmp_path / "perf.data"), _Running()
+    p.keep = os.path.join(keep, "packed-ours-120000.data")
+    (tmp_path / "perf.data").write_bytes(b"PERFILE2")
+    p.close()
+    assert [f.name for f in keep.iterdir()] == ["packed-ours-120000-cut.data"]
+    p.proc, p.keep = _Done(), os.path.join(tmp_path, "gone", "packed-ours-120001.data")   # its directory vanished
+    (tmp_path / "perf.data").write_bytes(b"PERFILE2")
+    p.close()
+    assert not (tmp_path / "perf.data").exists() and "not kept" in capsys.readouterr().err
