@@ -20,10 +20,11 @@ share of polls, not of time: an empty poll costs far less than a full burst. The
 so on a machine whose speed changes between runs compare them with `vring bench --pairs ours/dpdk,dpdk/dpdk`.
 
 Where net_vhost's time goes (``--perf``): ``perf record -e cpu-clock`` on its forwarding CPU over each measurement
-(a software clock: no PMU is needed, so it works in a VM), reported per driver as the share of samples and the
-nanoseconds per forwarded packet in each shared object (the core's time over the packets it forwarded: a cost per
-packet only while net_vhost is saturated, i.e. few empty dequeues; otherwise it includes its empty polling), and
-the hottest instructions (Debian's DPDK has no symbols for its static functions: those show as addresses;
+(a software clock: no PMU is needed, so it works in a VM; only net_vhost's samples are counted, and
+``other_processes_share`` says how much of the CPU went to other processes), reported per driver as the share of
+samples and the nanoseconds per forwarded packet in each shared object (the core's time over the packets it
+forwarded: a cost per packet only while net_vhost is saturated, i.e. few empty dequeues; otherwise it includes
+its empty polling), and the hottest instructions (Debian's DPDK has no symbols for its static functions: those show as addresses;
 ``objdump -d`` of the library shows them, and ``readelf --debug-dump=frames`` its functions' bounds). ``--perf-keep
 DIR`` keeps each window's perf.data there (``PATH-ours-HHMMSS.data``, ``PATH-dpdk-...``) for ``perf report`` /
 ``perf annotate``.

@@ -3,11 +3,10 @@
 Several driver/device pairs are alive at once, on the same two CPUs, and run in turn: all but one are stopped
 (SIGSTOP), the running one is measured for a short slice (--slice, 0.4 s) and stopped, the next one continued
 (SIGCONT). Every round measures each pair once, in alternating order, so the rates compared were measured within
-a second or so of each other; the per-round ratios to the first variant cancel the machine's slow drifts. A
-first round before --rounds is run and not counted (a pair continued for the first time runs far below its
-rate). That is
+a second or so of each other; the per-round ratios to the first variant cancel the machine's slow drifts. That is
 what `vring bench --repeat` cannot do: there each point starts its processes anew, seconds apart, and on this
-2-vCPU VM the speed swings 2x between regimes (see vring.bench.speed_regimes).
+2-vCPU VM the speed swings 2x between regimes (see vring.bench.speed_regimes). A first round before --rounds is
+run and not counted: a pair continued for the first time runs far below its rate.
 
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
