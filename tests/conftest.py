@@ -2,6 +2,8 @@
 import contextlib
 import importlib
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -10,6 +12,24 @@ from rings.layout import (VIRTIO_F_IN_ORDER, VIRTIO_F_RING_PACKED, VIRTIO_F_VERS
 from rings.shm import MemoryTable, ShmRegion
 
 IMPLEMENTATIONS = {"reference": "rings.reference", "c": "rings.virtq"}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _snapshots_in_the_session():
+    """A queue that breaks writes a snapshot into the user's directory ($XDG_RUNTIME_DIR/vring-snapshots, else
+    <tmp>/vring-snapshots-<uid>; rings/rawdump.py). The processes the tests start inherit this environment: theirs
+    go to a directory of this session, removed at its end, not to the user's (one file a CI run was left there)."""
+    d = tempfile.mkdtemp(prefix="vring-test-runtime-")
+    old = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = d
+    try:
+        yield d
+    finally:
+        if old is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = old
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
