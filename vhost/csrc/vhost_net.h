@@ -564,7 +564,7 @@ static inline int vh_txq_flush(struct vh_net *n)
         if (n->hook)
             n->hook(n->hook_ctx, attempt, delivered, left);
         if (n->crash_after && delivered && --n->crash_after == 0)
-            _exit(9);   /* vring vhost --crash-after: dies as a kill -9 would, Rx published (tracked: Tx not completed) */
+            _exit(9);   /* --crash-after: dies as a kill -9 would, Rx published (tracked: Tx not completed) */
         if (last)
             break;
         attempt++;
