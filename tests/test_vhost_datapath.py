@@ -18,6 +18,7 @@ from rings.shm import MemoryTable, ShmRegion
 from rings.virtq import DeviceQueue, DriverQueue
 from vhost._net import ffi
 from vhost.datapath import Datapath, Options
+from vhost.inflight import InflightArea, QueueTracking, create_area
 
 GPA = 0x1000_0000
 SIZE = 256
@@ -28,7 +29,7 @@ HDR = 12
 class Pair:
     """Driver + device halves of the Rx (vring 0) and Tx (vring 1) queues over one region."""
 
-    def __init__(self, options, packed=False, in_order=False, mrg=False, size=SIZE):
+    def __init__(self, options, packed=False, in_order=False, mrg=False, size=SIZE, tracked=False):
         self.features = bit(VIRTIO_F_VERSION_1) | (bit(VIRTIO_F_RING_PACKED) if packed else 0) \
             | (bit(VIRTIO_F_IN_ORDER) if in_order else 0) | (bit(VIRTIO_NET_F_MRG_RXBUF) if mrg else 0)
         fmt = "packed" if packed else "split"
@@ -38,7 +39,13 @@ class Pair:
         self.drv = [DriverQueue(self.mem, lay, self.features) for lay in self.layouts]
         self.dev = [DeviceQueue(self.mem, lay, self.features, in_order_batch=options.in_order_batch)
                     for lay in self.layouts]
-        self.dp = Datapath(self.dev[0], self.dev[1], self.features, options)
+        self.area, tracking = None, (None, None)
+        if tracked:   # INFLIGHT_SHMFD on both queues, started fresh
+            fd, area_size = create_area(2, size, packed)
+            self.area = InflightArea(fd, area_size, 0, 2, size, packed)
+            tracking = tuple(QueueTracking(self.area, i, size) for i in range(2))
+            assert [t.start(q, self.mem) for t, q in zip(tracking, self.dev)] == [0, 0]
+        self.dp = Datapath(self.dev[0], self.dev[1], self.features, options, tracking=tracking)
         self.free = list(range(4 * size))
         self.seq = 0
 
@@ -80,6 +87,8 @@ class Pair:
     def close(self):
         self.dp = self.dev = self.drv = None
         self.mem = None
+        if self.area is not None:
+            self.area.close()
         self.region.close()
 
 
@@ -168,6 +177,37 @@ def test_staged_frames_tx_completed_before_the_enqueue(pairs, tmp_path, packed, 
     p.send(32)
     p.dp.step()
     assert seen == [32] and len(p.received()) == 32
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_tracked_direct_frames_rx_published_before_tx_completed(pairs, packed):
+    """With inflight tracking and no staging copy (--txq-flush none) the order is the other way round from the
+    untracked one: the Rx used entries are published first, the Tx chains completed after. A kill -9 between the
+    two stores then leaves frames delivered and their Tx chains still in flight: the successor takes them again
+    (a duplicate, never a loss). Completed first, the same kill would lose frames that no successor can find.
+    The hook runs between the two stores; what memory holds there is what a kill -9 would leave, and a successor
+    is started on a copy of it."""
+    p = pairs(Options(fwd="io", txq_flush="none"), packed=packed, tracked=True)
+    tx_trk = p.dp.tracking[1]
+    at_hook = {}
+
+    def probe():   # reads only: the driver halves must not move, so that the copy is what a successor would see
+        at_hook.update(completed=int(tx_trk.c.completed), rx_delivered=int(p.dp.tracking[0].c.completed),
+                       memory=bytes(p.region.buf), area=bytes(p.area.shm.buf))
+    _hook_state.clear()
+    _hook_state.update(trace=[], posts=[], pair=p, probe=probe)
+    p.dp.set_hook(_lib_hook())
+    p.post_rx(32)
+    p.send(32)
+    p.dp.step()
+    assert at_hook["rx_delivered"] == 32 and at_hook["completed"] == 0, "Tx completed before the Rx publish"
+    assert int(tx_trk.c.completed) == 32 and p.reclaim_tx() == 32 and len(p.received()) == 32
+    # the kill -9 at the hook: memory and area as they were there, and a successor on the Tx queue
+    p.region.buf[:] = at_hook["memory"]
+    p.area.shm.buf[:] = at_hook["area"]
+    q = DeviceQueue(p.mem, p.layouts[1], p.features)   # at the driver's position before it reclaimed: the start
+    again = QueueTracking(p.area, 1, SIZE).start(q, p.mem)
+    assert again == 32
 
 
 def test_slow_driver_every_packet_delivered_or_dropped(pairs):
