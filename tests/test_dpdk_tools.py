@@ -7,6 +7,9 @@ The parser and discovery tests run everywhere; the ones that start testpmd are s
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -235,6 +238,78 @@ def test_kill_leaves_nothing_behind(sock):
     vhost.kill()
     assert vhost.final is not None and not vhost.final.clean
     _assert_gone(vhost, pid)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_sweep_removes_only_our_stale_runtime_dirs(tmp_path):
+    """What a run killed -9 leaves in the runtime base (close() and the finalizer never ran) is removed when the
+    next one starts: our prefix, its creator gone, no testpmd holding the config lock. A directory whose creator
+    lives, one a running primary still locks (an orphaned testpmd), and names not ours stay."""
+    dead, me = _dead_pid(), os.getpid()
+    dirs = {name: tmp_path / name for name in (f"vr{dead}x0beef", f"vr{dead}x1beef", f"vr{me}x0beef",
+                                               f"vr{dead}x2beef", "rte", f"vr{dead}x4be")}
+    for name, d in dirs.items():
+        d.mkdir()
+        if name != f"vr{dead}x1beef":   # one stale directory has no config file yet
+            (d / "config").write_bytes(bytes(4096))
+    (tmp_path / f"vr{dead}x3beef").write_text("a file, not a runtime directory")
+    (tmp_path / f"vr{dead}x5beef" / "config").mkdir(parents=True)   # a config that cannot be opened: cannot tell
+    locked = dirs[f"vr{dead}x2beef"] / "config"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX, 1000, 136)\n"   # a byte range, as EAL locks it
+        "print('locked', flush=True)\n"
+        "time.sleep(60)\n"), str(locked)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        removed = dpdk.sweep_stale_runtime_dirs(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(removed) == sorted(str(dirs[n]) for n in (f"vr{dead}x0beef", f"vr{dead}x1beef"))
+    assert sorted(os.listdir(tmp_path)) == sorted([f"vr{me}x0beef", f"vr{dead}x2beef", "rte", f"vr{dead}x4be",
+                                                   f"vr{dead}x3beef", f"vr{dead}x5beef"])
+    assert dpdk.sweep_stale_runtime_dirs(str(tmp_path / "absent")) == []
+
+
+@needs_testpmd
+def test_runtime_dir_of_a_run_killed_minus_9_is_removed_by_the_next_start(tmp_path):
+    """A process that ran testpmd is killed -9: its testpmd quits (EOF on its stdin) and leaves its runtime
+    directory, which nothing of the dead process can remove. The next Testpmd started removes it."""
+    code = ("import os, sys\n"
+            "from vring.dpdk import Testpmd\n"
+            "tp = Testpmd.vhost(sys.argv[1], autostart=False).start()\n"
+            "print(tp.pid, tp.runtime_dir, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "a.sock")], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == -9, run.stderr
+    pid, left = run.stdout.split()
+    pid = int(pid)
+    try:
+        deadline = time.monotonic() + 30
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _group_alive(pid), "testpmd outlived the process that started it"
+        assert os.path.isdir(left)
+        vhost = Testpmd.vhost(str(tmp_path / "b.sock"), autostart=False).start()
+        try:
+            assert not os.path.exists(left)
+        finally:
+            vhost.close()
+        assert not os.path.exists(vhost.runtime_dir)
+    finally:
+        for p in _group_alive(pid):
+            os.kill(p, 9)
+        shutil.rmtree(left, ignore_errors=True)
+        if (tmp_path / "a.sock").exists():   # the killed process's testpmd made it
+            (tmp_path / "a.sock").unlink()
 
 
 @needs_testpmd

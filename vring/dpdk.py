@@ -19,7 +19,8 @@ Cleanup.  Every testpmd gets its own session (process group).  ``close()`` sends
 back to SIGTERM then SIGKILL on the group, then removes what the run leaves on disk: the runtime directory
 ``/var/run/dpdk/<file-prefix>`` (testpmd never removes it) and the vhost-user socket if this process was the
 side that created it.  A ``weakref.finalize`` (run at interpreter exit at the latest) does the same for an
-object that was never closed.
+object that was never closed.  Neither runs when this process is killed -9: its testpmd then quits (EOF on its
+stdin) and leaves its runtime directory, which the next ``launch()`` removes (``sweep_stale_runtime_dirs``).
 
 Core pinning.  ``lcores=(main_cpu, fwd_cpu)``: the EAL main lcore (idle in interactive mode: it blocks
 reading stdin) and the forwarding lcore (busy-polls at 100%).  On a 2-CPU box the defaults put the vhost
@@ -32,6 +33,7 @@ Only the Python standard library is used.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import os
 import pty
@@ -58,6 +60,7 @@ __all__ = [
     "free_cpus",
     "measure_dpdk_pair",
     "skip_reason",
+    "sweep_stale_runtime_dirs",
 ]
 
 APT_HINT = "apt-get install -y dpdk-dev"
@@ -236,6 +239,58 @@ def _runtime_base() -> str:
     if os.geteuid() == 0:
         return "/var/run/dpdk"
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "dpdk")
+
+
+_OUR_PREFIX = re.compile(r"vr(\d+)x\d+[0-9a-f]{4}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        pass
+    return True
+
+
+def _runtime_dir_in_use(path: str) -> bool:
+    """A running EAL primary holds a write lock on its ``config`` file (a byte range of it) for its whole life."""
+    try:
+        fd = os.open(os.path.join(path, "config"), os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True   # cannot tell: leave it
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)   # also drops the lock just taken
+    return False
+
+
+def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
+    """Remove the runtime directories our earlier runs left behind when they were killed -9 (close() and the
+    finalizer cannot run then, and testpmd never removes its own): ours by name (``_unique_prefix``), the
+    process that made the name gone, and no testpmd holding the directory's ``config`` lock. Anything else
+    under ``base`` is left alone. Returns the paths removed."""
+    base = base or _runtime_base()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        m = _OUR_PREFIX.fullmatch(name)
+        path = os.path.join(base, name)
+        if not m or _pid_alive(int(m.group(1))) or not os.path.isdir(path) or _runtime_dir_in_use(path):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
 
 
 def _is_socket(path: str) -> bool:
@@ -502,6 +557,7 @@ class Testpmd:
             raise TestpmdError(skip_reason())
         if self.creates_socket and _is_socket(self.socket_path):
             os.unlink(self.socket_path)  # stale socket of an earlier run: bind() would fail
+        sweep_stale_runtime_dirs()
         self._child.runtime_dir = os.path.join(_runtime_base(), self.file_prefix)
         if self.creates_socket:
             self._child.remove_socket = self.socket_path
