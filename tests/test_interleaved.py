@@ -152,6 +152,88 @@ def test_a_signal_mid_run_continues_and_stops_every_pair(tmp_path, sig):
     _assert_clean(tmp_path)
 
 
+def _cpus_of(pid):
+    """{thread name: the CPUs it may run on} of a process."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                allowed = next(ln for ln in f if ln.startswith("Cpus_allowed_list:")).split()[1]
+        except (OSError, StopIteration):
+            continue
+        out[f"{name}/{tid}" if name in out else name] = allowed
+    return out
+
+
+def _pair_states(tmp_path):
+    """{pair index: {pid: state}} of the processes interleaved.py started (their argv names p<k>.sock)."""
+    pairs = {}
+    for pid, state in _ours_under(tmp_path):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        for k in range(4):
+            if f"p{k}.sock".encode() in cmd:
+                pairs.setdefault(k, {})[pid] = state
+    return pairs
+
+
+@pytest.mark.parametrize("variants", ["ours;ours --tx-publish 8", "dpdk/dpdk;ours/dpdk"])
+def test_one_pair_runs_at_a_time_each_side_on_its_cpu(tmp_path, variants):
+    """What a measurement alone cannot show (attack54's surviving mutants: SIGSTOP dropped, pins swapped): while the
+    tool runs, the processes of at most one pair are ever out of the stopped state, each pair gets its turns, and
+    the device forwards on the first CPU of --cpus, the driver on the second (given here the other way round from
+    the default)."""
+    if "dpdk" in variants and dpdk.skip_reason():
+        pytest.skip(dpdk.skip_reason())
+    dev_cpu, drv_cpu = CPUS[-1], CPUS[0]
+    p = subprocess.Popen([sys.executable, TOOL, "--device", "ours", "--path", "split", "--rounds", "6", "--slice",
+                          "0.3", "--warmup", "0.5", "--cpus", f"{dev_cpu},{drv_cpu}", "--variants", variants],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp_path))
+    samples, pins = [], {}   # samples: (pairs running, a process stopped)
+    try:
+        while p.poll() is None:
+            pairs = _pair_states(tmp_path)
+            samples.append(({k for k, states in pairs.items() if any(st != "T" for st in states.values())},
+                            any(st == "T" for states in pairs.values() for st in states.values())))
+            for k, states in pairs.items():
+                for pid in states:
+                    try:
+                        with open(f"/proc/{pid}/cmdline", "rb") as f:
+                            cmd = f.read().split(b"\0")
+                    except OSError:
+                        continue
+                    role = ("device" if b"vhost" in cmd or any(a.startswith(b"net_vhost") for a in cmd)
+                            else "driver")
+                    pins.setdefault((k, role), {}).update(_cpus_of(pid))
+            time.sleep(0.01)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        _assert_clean(tmp_path)
+    assert p.returncode == 0, err
+    # two pairs running in two samples in a row (not a signal on its way) happens only once the rounds are over:
+    # the clean-up continues every pair before stopping them, and never stops one again
+    both = [i for i in range(1, len(samples)) if len(samples[i][0]) > 1 and len(samples[i - 1][0]) > 1]
+    end = both[0] - 1 if both else len(samples)
+    assert not any(stopped for _, stopped in samples[end:]), "two pairs ran at once during the rounds"
+    turns = {k: sum(1 for i in range(1, end) if k in samples[i][0] and k not in samples[i - 1][0]) for k in (0, 1)}
+    # the order alternates (0 1, 1 0, 0 1, ...): a pair's two slices across a round boundary are one turn; with the
+    # warm-ups, 7 rounds are 5 turns each
+    assert min(turns.values()) >= 5, turns
+    for (k, role), threads in pins.items():
+        want = str(dev_cpu if role == "device" else drv_cpu)
+        # ours: every thread (--pin pins them all); testpmd: its forwarding lcore's thread
+        fwd = [c for name, c in threads.items() if name.startswith(("rte-worker", "lcore-worker", "python"))]
+        assert fwd and all(c == want for c in fwd), f"pair {k} {role}: {threads}, wanted {want}"
+
+
 def test_summary_arithmetic_on_recorded_slices():
     """attack54's surviving mutants in the summary: a ratio inverted, the median taken as a mean, the quartiles by
     the exclusive method (outside the data), the dequeue medians per column swapped."""

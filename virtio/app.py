@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from rings import vhost_user as vu
+from rings.affinity import pin_all_threads
 from rings.errors import PeerGone, VringError
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
@@ -119,15 +120,6 @@ class DriverConfig:
             warnings += check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots,
                                        restarts=restarts)
         return warnings
-
-
-def pin_all_threads(cpu):
-    """Pin every thread of this process (numpy's BLAS threads too, created at import) to one CPU."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), {cpu})
-        except (ProcessLookupError, OSError):
-            pass
 
 
 def _eventfd_count(fd):

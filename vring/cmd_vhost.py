@@ -4,6 +4,7 @@ import os
 import signal
 import sys
 
+from rings.affinity import pin_all_threads
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
 
@@ -106,6 +107,7 @@ def run(args):
             os.sched_setaffinity(0, {args.pin})
         except (OSError, ValueError) as e:   # ValueError: a negative CPU number
             return _error(f"--pin {args.pin}: cannot pin to that CPU: {e}")
+        pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
     error = snapshot_options.apply(args)
     if error:
         return _error(error)

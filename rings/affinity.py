@@ -1,0 +1,13 @@
+"""CPU pinning of a whole process (`vring driver --pin`, `vring vhost --pin`)."""
+import os
+
+
+def pin_all_threads(cpu):
+    """Pin every thread of this process (numpy's BLAS threads too, created at import) to one CPU: a thread left
+    unpinned keeps the CPU the other side forwards on within its reach. The caller checks the CPU first (a thread
+    that cannot be pinned is skipped here)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except (ProcessLookupError, OSError):
+            pass
