@@ -5,7 +5,8 @@ tables; the tests run the same functions with fewer rounds.
 * ``kill_loop``: `vring vhost` killed -9 ``kills`` times (and relaunched) under `vring driver --reconnect
   --verify` looping ``count`` frames (macfwd); per kill: resume time (relaunch -> first frame received),
   chains the successor took again, duplicates the driver dropped, frames lost (put on the restart after
-  which they were never seen again); at the end the whole population is checked.
+  which they were never seen again); at the end the whole population is checked. Extra `vring vhost` arguments
+  go to every backend (``check_vhost_args`` refuses bad ones before anything runs).
 * ``dts_virtio_user_server``: DPDK virtio_user ``server=1`` + `vring vhost --client` killed and relaunched,
   then ``stop`` / ``start tx_first`` on testpmd (as DTS does); traffic resumes.
 * ``dts_net_vhost_client``: `vring driver --server` + DPDK net_vhost ``client=1`` killed and relaunched, then
@@ -16,9 +17,11 @@ removed at the end.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -27,6 +30,7 @@ import tempfile
 import threading
 import time
 
+from rings.errors import ConfigError
 from vhost.testing import VhostProcess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,6 +131,50 @@ def _backend(sock, be_cpu, extra=()):
     return VhostProcess(sock, "--fwd", "macswap", "--stats-interval", "0.2", *map(str, extra), pin=be_cpu)
 
 
+# what kill_loop sets on every backend itself: --fwd macswap (the driver verifies swapped MACs), the stats lines it
+# reads (--json, --stats-interval), --crash-after (--mid-burst's), the CPU; --client and --max-connections would
+# leave the relaunched backend nobody to serve
+_OWNED = ("socket", "client", "fwd", "json", "stats_interval", "pin", "crash_after", "max_connections")
+
+
+class _Refusing(argparse.ArgumentParser):
+    """`vring vhost`'s own parser, raising where it would print and exit."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+    def exit(self, status=0, message=None):   # --help: printed, then this
+        raise ConfigError(message or "not an argument for a run")
+
+
+def check_vhost_args(args):
+    """Refuse (ConfigError) extra `vring vhost` arguments for ``kill_loop`` before anything runs: what its parser
+    refuses, what kill_loop sets itself, then what the backend refuses at start (one is started with them on a
+    socket of its own and stopped): a bad value would otherwise be a relaunched backend that never comes back."""
+    if not args:
+        return
+    from vring import cmd_vhost
+    parser = _Refusing(prog="vring")
+    cmd_vhost.register(parser.add_subparsers(dest="command"))
+    base = ["vhost", "--socket", "<kill_loop's>"]
+    given, default = vars(parser.parse_args(base + list(args))), vars(parser.parse_args(base))
+    owned = [f"--{k.replace('_', '-')}" for k in _OWNED if given[k] != default[k]]
+    if owned:
+        raise ConfigError(f"{', '.join(owned)}: set by the kill loop itself")
+    tmp = tempfile.mkdtemp(prefix="vring-kill9-check-")
+    be = VhostProcess(os.path.join(tmp, "vh.sock"), *args)
+    try:
+        be.wait_socket()
+    except RuntimeError as e:
+        if be.proc.poll() is None:   # not a refusal: it did not start in time
+            raise
+        lines = be.stderr().strip().splitlines()   # its own message says why (exit 2, one line)
+        raise ConfigError(lines[-1] if lines else str(e)) from None
+    finally:
+        be.__exit__()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _stats_lines(be):
     return [json.loads(x) for x in be.stdout().splitlines() if x.startswith("{")]
 
@@ -180,6 +228,18 @@ def _resubmitted(st):
     return st["rxq0"].get("rx_resubmitted", 0) + st["txq1"].get("tx_resubmitted", 0) if st else None
 
 
+_RETAKEN = re.compile(r"vring \d+: (\d+) chains taken by the previous backend")
+
+
+def _retaken_logged(be):
+    """The chains a backend queued to take again, from its log (a --crash-after backend dies before its first
+    stats line), or None if it logged no start of its data path."""
+    log = be.stderr()
+    if "data path started" not in log:
+        return None
+    return sum(int(x) for x in _RETAKEN.findall(log))
+
+
 def _dropped(st):
     """The backend's named drop counters."""
     if not st:
@@ -190,16 +250,17 @@ def _dropped(st):
 
 
 def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, progress=None, driver_args=(),
-              mid_burst=False):
+              mid_burst=False, vhost_args=()):
     """``kills`` kill -9 of the backend under a resilient driver; returns a dict with the per-kill table and
     the end-of-run accounting. ``mid_burst``: every other backend is started with ``--crash-after`` (20-300)
-    and dies by itself inside a burst (a random kill mostly finds the backend idle between bursts)."""
+    and dies by itself inside a burst (a random kill mostly finds the backend idle between bursts).
+    ``vhost_args``: given to every backend (``check_vhost_args`` first)."""
     rng = random.Random(seed)
     be_cpu, drv_cpu = cpus()
     tmp = tempfile.mkdtemp(prefix="vring-kill9-")
     sock = os.path.join(tmp, "vh.sock")
     rows, backends_dropped = [], {}
-    be = _backend(sock, be_cpu)
+    be = _backend(sock, be_cpu, vhost_args)
     drv = None
     try:
         be.wait_socket()
@@ -217,14 +278,15 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
             else:
                 time.sleep(rng.uniform(*run_s))
             how = "crash mid-burst" if crasher else "kill -9"
+            logged = _retaken_logged(be)
             last = _kill9(be)
             for key, v in _dropped(last).items():
                 backends_dropped[key] = backends_dropped.get(key, 0) + v
             if rows:   # the backend just killed was the successor of the previous kill
-                rows[-1]["resubmitted"] = _resubmitted(last)
+                rows[-1]["resubmitted"] = _resubmitted(last) if last else logged
             t_launch = time.monotonic()
             crasher = mid_burst and k % 2 == 0 and k + 1 < kills
-            be = _backend(sock, be_cpu, ("--crash-after", rng.randint(20, 300)) if crasher else ())
+            be = _backend(sock, be_cpu, (*vhost_args, *(("--crash-after", rng.randint(20, 300)) if crasher else ())))
             ev = drv.wait_event("traffic", after=t_launch, timeout=10)
             row = {"kill": k + 1, "how": how, "resume_s": round(ev["t"] - t_launch, 3) if ev else None,
                    "resubmitted": None}
@@ -249,7 +311,7 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
     driver_dropped = res["tx"]["dropped"]
     accounted = pop["present"] + pop["tx_inflight"] + pop["held"]
     return {
-        "path": path_name(packed, in_order), "kills": len(rows), "rows": rows,
+        "path": path_name(packed, in_order), "vhost_args": list(vhost_args), "kills": len(rows), "rows": rows,
         "injected": res["injected"], "present_at_end": pop["present"], "in_flight_at_end": pop["tx_inflight"],
         "held_at_end": pop["held"], "absent_at_end": pop["absent"], "duplicates": v["duplicates"],
         "dropped": {"driver_tx_dropped": driver_dropped, **backends_dropped},
@@ -262,8 +324,9 @@ def kill_loop(packed, in_order, kills=20, count=256, run_s=(0.3, 0.8), seed=1, p
 
 
 def print_kill_table(r, out=sys.stdout):
-    print(f"\n== {r['path']}: {r['kills']} x kill -9 of vring vhost, {r['injected']} frames injected (macfwd)",
-          file=out)
+    extra = f" {' '.join(r['vhost_args'])}" if r.get("vhost_args") else ""
+    print(f"\n== {r['path']}: {r['kills']} x kill -9 of vring vhost{extra}, {r['injected']} frames injected "
+          f"(macfwd)", file=out)
     print(f"{'kill':>4} {'how':15s} {'resume_s':>9} {'down_s':>7} {'lost':>5} {'duplicated':>10} {'re-taken':>9}",
           file=out)
     for row in r["rows"]:
