@@ -5,12 +5,15 @@
   successor takes those chains again (inflight area), the driver resumes at its own ring positions, traffic
   is back within 1 s, every injected frame is there at the end exactly once, and the copies the restart made
   are counted (``duplicates``) and equal to what the successor re-took; no ring error anywhere.
+* The same through benchmarks/kill9.py's loop (vring/restarts.py), short, with `--txq-flush none` (no staging
+  copy): random kills and deaths inside a burst; and its --vhost-arg refused before anything runs.
 * `vring driver --server`: the backend connects (`vring vhost --client`), is killed, a new one connects.
 * A killed DRIVER: the backend serves the next frontend.
 """
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -102,6 +105,39 @@ def test_kill9_inside_a_burst_loses_nothing(tmp_path, packed, in_order):
     (rec,) = res["reconnects"]
     assert rec.get("traffic_s") is not None, info   # how soon: benchmarks/kill9.py
     assert "chains taken by the previous backend and not completed" in log, info
+
+
+@pytest.mark.parametrize("packed,in_order", [(0, 0), (1, 1)], ids=["split-normal", "packed-inorder"])
+def test_kill9_loop_in_direct_mode_with_tracking_loses_nothing(packed, in_order):
+    """benchmarks/kill9.py's loop, short, with `vring vhost --txq-flush none` (no staging copy: the enqueue reads the
+    Tx buffers) and inflight tracking: two kill -9 at random moments and two deaths inside a burst (--crash-after:
+    Rx used entries published, the Tx chains they came from not completed). Every frame is there at the end exactly
+    once, and each death inside a burst made copies, no more than its successor took chains again. Tx completed
+    before the Rx publish (the untracked order) the crash would come after both stores: no copies, and a kill -9
+    between the two would lose the burst."""
+    from vring.restarts import kill_loop
+    r = kill_loop(packed, in_order, kills=4, mid_burst=True, vhost_args=["--txq-flush", "none"])
+    info = f"{r}"
+    assert [row["how"] for row in r["rows"]] == ["kill -9", "crash mid-burst"] * 2, info
+    assert r["all_resumed"] and r["ring_errors_driver"] == 0 and r["bad_frames"] == 0, info
+    assert r["lost"] == 0 and r["absent_at_end"] == 0 and r["present_at_end"] == r["injected"] == 256, info
+    assert r["in_flight_at_end"] == 0 and r["held_at_end"] == 0 and sum(r["dropped"].values()) == 0, info
+    assert r["duplicates"] == sum(row["duplicated"] for row in r["rows"]), info
+    for row in r["rows"][1::2]:   # the successor of a death inside a burst took its Tx chains again
+        assert 0 < row["duplicated"] <= row["resubmitted"], info
+
+
+def test_kill9_vhost_args_refused_before_anything_runs():
+    """benchmarks/kill9.py --vhost-arg: what `vring vhost` would refuse, and what the loop sets on every backend
+    itself, is a ConfigError before the first backend starts (not a relaunch that never comes back mid-run)."""
+    from rings.errors import ConfigError
+    from vring.restarts import check_vhost_args
+    for args, says in ((["--txq-flush=bogus"], "txq flush must be"), (["--retries", "-1"], "--retries must be"),
+                       (["--nonsense"], "unrecognized arguments"), (["--crash=5"], "--crash-after: set by the kill"),
+                       (["--fwd", "io", "--pin=0"], "--fwd, --pin: set by the kill loop")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            check_vhost_args(args)
+    check_vhost_args(["--txq-flush=none", "--retries", "2"])
 
 
 @pytest.mark.parametrize("packed", [0, 1], ids=["split", "packed"])
