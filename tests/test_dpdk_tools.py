@@ -278,6 +278,39 @@ def test_sweep_removes_only_our_stale_runtime_dirs(tmp_path):
     assert dpdk.sweep_stale_runtime_dirs(str(tmp_path / "absent")) == []
 
 
+def test_sweep_leaves_what_it_cannot_tell_and_never_stops_a_launch(tmp_path, monkeypatch):
+    """Names like ours that _unique_prefix cannot have made (a pid no process has: os.kill raised OverflowError,
+    out of sweep and out of every launch after; digits that are not ASCII), a symlink named like ours, and
+    directories whose config is no regular file (a symlink to a device or a file elsewhere, a FIFO: each was
+    opened read-write as root, and its directory removed) are left alone. Whatever the sweep raises, launch goes
+    on."""
+    dead = _dead_pid()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config").write_bytes(bytes(4096))
+    (tmp_path / "target").write_bytes(bytes(4096))
+    for name in ("vr99999999999999999999x0beef", "vr4194304x0beef", "vr\u0663\u0663x0beef", f"vr{dead}x0beef",
+                 f"vr{dead}x1beef", f"vr{dead}x2beef"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"vr{dead}x0beef" / "config").symlink_to("/dev/null")
+    (tmp_path / f"vr{dead}x1beef" / "config").symlink_to(tmp_path / "target")
+    os.mkfifo(tmp_path / f"vr{dead}x2beef" / "config")
+    (tmp_path / f"vr{dead}x3beef").symlink_to(elsewhere)
+    before = sorted(os.listdir(tmp_path))
+    assert dpdk.sweep_stale_runtime_dirs(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == before and os.listdir(elsewhere) == ["config"]
+
+    monkeypatch.setattr(dpdk, "_runtime_base", lambda: str(tmp_path))
+    tp = Testpmd.vhost(str(tmp_path / "a.sock"), testpmd="/bin/true").launch()   # exits at once: only the launch
+    tp.close(timeout=5.0)
+
+    def broken(base=None):
+        raise RuntimeError("a sweep that fails")
+    monkeypatch.setattr(dpdk, "sweep_stale_runtime_dirs", broken)
+    tp = Testpmd.vhost(str(tmp_path / "a.sock"), testpmd="/bin/true").launch()
+    tp.close(timeout=5.0)
+
+
 @needs_testpmd
 def test_runtime_dir_of_a_run_killed_minus_9_is_removed_by_the_next_start(tmp_path):
     """A process that ran testpmd is killed -9: its testpmd quits (EOF on its stdin) and leaves its runtime

@@ -241,7 +241,8 @@ def _runtime_base() -> str:
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp", "dpdk")
 
 
-_OUR_PREFIX = re.compile(r"vr(\d+)x\d+[0-9a-f]{4}")
+_OUR_PREFIX = re.compile(r"vr(\d+)x\d+[0-9a-f]{4}", re.ASCII)
+_PID_MAX_LIMIT = 1 << 22   # no pid reaches it (linux/threads.h, 64-bit): a larger one is no name of ours
 
 
 def _pid_alive(pid: int) -> bool:
@@ -256,13 +257,16 @@ def _pid_alive(pid: int) -> bool:
 
 def _runtime_dir_in_use(path: str) -> bool:
     """A running EAL primary holds a write lock on its ``config`` file (a byte range of it) for its whole life."""
-    try:
-        fd = os.open(os.path.join(path, "config"), os.O_RDWR)
+    try:   # EAL's config is a regular file: nothing else is opened (a symlink to a device, a FIFO)
+        fd = os.open(os.path.join(path, "config"),
+                     os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         return False
     except OSError:
-        return True   # cannot tell: leave it
+        return True   # cannot tell (a symlink among them): leave it
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return True
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         return True
@@ -274,8 +278,9 @@ def _runtime_dir_in_use(path: str) -> bool:
 def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
     """Remove the runtime directories our earlier runs left behind when they were killed -9 (close() and the
     finalizer cannot run then, and testpmd never removes its own): ours by name (``_unique_prefix``), the
-    process that made the name gone, and no testpmd holding the directory's ``config`` lock. Anything else
-    under ``base`` is left alone. Returns the paths removed."""
+    process that made the name gone, and no testpmd holding the directory's ``config`` lock (a regular file:
+    anything else there, a symlink included, is not EAL's). Anything else under ``base`` (symlinks named like
+    ours too) is left alone. Returns the paths removed."""
     base = base or _runtime_base()
     try:
         names = os.listdir(base)
@@ -285,7 +290,14 @@ def sweep_stale_runtime_dirs(base: str | None = None) -> list[str]:
     for name in names:
         m = _OUR_PREFIX.fullmatch(name)
         path = os.path.join(base, name)
-        if not m or _pid_alive(int(m.group(1))) or not os.path.isdir(path) or _runtime_dir_in_use(path):
+        if not m or not 0 < int(m.group(1)) < _PID_MAX_LIMIT or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):   # a file, or a symlink (to somewhere not ours)
+                continue
+        except OSError:
+            continue
+        if _runtime_dir_in_use(path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         if not os.path.exists(path):
@@ -557,7 +569,10 @@ class Testpmd:
             raise TestpmdError(skip_reason())
         if self.creates_socket and _is_socket(self.socket_path):
             os.unlink(self.socket_path)  # stale socket of an earlier run: bind() would fail
-        sweep_stale_runtime_dirs()
+        try:
+            sweep_stale_runtime_dirs()
+        except Exception:  # noqa: BLE001 - the leftovers of earlier runs never stop this one
+            pass
         self._child.runtime_dir = os.path.join(_runtime_base(), self.file_prefix)
         if self.creates_socket:
             self._child.remove_socket = self.socket_path
