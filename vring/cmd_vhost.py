@@ -90,6 +90,15 @@ def run(args):
         return _error(f"--slice-us must be at most 10000000 (10 s), not {args.slice_us}")
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
         return _error(f"--max-connections must be >= 1, not {args.max_connections}")
+    if args.pin is not None:   # before --pcap creates its file
+        allowed = sorted(os.sched_getaffinity(0))
+        if args.pin not in allowed:   # a number past a C long was an OverflowError out of sched_setaffinity
+            return _error(f"--pin {args.pin}: not a CPU this process may run on ({allowed})")
+        try:
+            os.sched_setaffinity(0, {args.pin})
+        except OSError as e:
+            return _error(f"--pin {args.pin}: cannot pin to that CPU: {e}")
+        pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
     pcap = None
     try:
         if args.pcap:
@@ -102,12 +111,6 @@ def run(args):
                        crash_after=args.crash_after)
     except (ConfigError, OSError, ValueError) as e:
         return _error(e)
-    if args.pin is not None:
-        try:
-            os.sched_setaffinity(0, {args.pin})
-        except (OSError, ValueError) as e:   # ValueError: a negative CPU number
-            return _error(f"--pin {args.pin}: cannot pin to that CPU: {e}")
-        pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
     error = snapshot_options.apply(args)
     if error:
         return _error(error)
