@@ -208,6 +208,10 @@ def test_tracked_direct_frames_rx_published_before_tx_completed(pairs, packed):
     q = DeviceQueue(p.mem, p.layouts[1], p.features)   # at the driver's position before it reclaimed: the start
     again = QueueTracking(p.area, 1, SIZE).start(q, p.mem)
     assert again == 32
+    # and the Rx buffers the frames went into were given back: a successor on the Rx queue takes none of them again
+    # (it would write into buffers the driver owns); the counter above is no proof that their flags were cleared
+    rq = DeviceQueue(p.mem, p.layouts[0], p.features)
+    assert QueueTracking(p.area, 0, SIZE).start(rq, p.mem) == 0, "Rx buffers published and still in flight"
 
 
 def test_slow_driver_every_packet_delivered_or_dropped(pairs):
