@@ -18,12 +18,16 @@
 #define VHOST_INFLIGHT_H
 
 #include <stdint.h>
+#include <unistd.h>
 
 #include "virtq.h"   /* and vhost_net_types.h before this file (it has no include guard: cffi reads it) */
 
 #define VHI_STORE(x, v) __atomic_store_n(&(x), (v), __ATOMIC_RELEASE)
 #define VHI_HOOK static inline __attribute__((always_inline))   /* at the call sites: one NULL test when off */
 #define VHI_TRACKED static __attribute__((noinline))             /* out of line: leaves the loops as they were */
+/* A store point: a test sets f->die_at = k and the process dies as a kill -9 would at the k-th point, so that
+ * a crash after every store of the write order above can be tried (tests/test_inflight_crash_points.py). */
+#define VHI_POINT(f) do { if (__builtin_expect((f)->die_at != 0, 0) && --(f)->die_at == 0) _exit(9); } while (0)
 
 /* Chains k0..c->n-1 of c were just taken (split: their heads index the area). */
 static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0)
@@ -32,7 +36,9 @@ static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains
     for (uint32_t k = k0; k < c->n; k++) {
         struct vhi_desc_split *d = &r->desc[c->id[k]];   /* id < size: checked by the poll */
         VQ_SET(d->counter, f->counter++);
+        VHI_POINT(f);
         VHI_STORE(d->inflight, 1);
+        VHI_POINT(f);
     }
     f->taken += c->n - k0;
 }
@@ -70,16 +76,21 @@ static inline void vhi_taken_packed(struct vh_inflight *f, const struct vq_devic
                 slot = 0;
         }
         struct vhi_desc_packed *h = &r->desc[head];
+        VHI_POINT(f);
         VQ_SET(h->num, nd);
         VQ_SET(h->last, last);
         VQ_SET(h->counter, f->counter++);
         f->e_num[head] = nd;
         f->e_last[head] = last;
         f->entry_of_id[c->id[k]] = head;
+        VHI_POINT(f);
         VHI_STORE(h->inflight, 1);
+        VHI_POINT(f);
         f->free_head = e;
         VQ_SET(r->free_head, e);
+        VHI_POINT(f);
         VHI_STORE(r->old_free_head, e);
+        VHI_POINT(f);
     }
     f->taken += c->n - k0;
 }
@@ -197,15 +208,24 @@ VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
                 f->used_idx -= size;
                 f->used_wrap ^= 1;
             }
+            VHI_POINT(f);
         }
         VQ_SET(r->free_head, f->free_head);
+        VHI_POINT(f);
         VQ_SET(r->used_idx, f->used_idx);
+        VHI_POINT(f);
         VHI_STORE(r->used_wrap_counter, (uint8_t)f->used_wrap);
+        VHI_POINT(f);
         vq_dev_flush(q);
-        for (uint32_t k = 0; k < n; k++)
+        VHI_POINT(f);
+        for (uint32_t k = 0; k < n; k++) {
             VQ_SET(r->desc[f->entry_of_id[q->shadow_id[k]]].inflight, 0);
+            VHI_POINT(f);
+        }
         VHI_STORE(r->old_free_head, f->free_head);
+        VHI_POINT(f);
         VHI_STORE(r->old_used_idx, f->used_idx);
+        VHI_POINT(f);
         VHI_STORE(r->old_used_wrap_counter, (uint8_t)f->used_wrap);
     } else {
         struct vhi_region_split *r = (struct vhi_region_split *)f->region;
@@ -214,12 +234,17 @@ VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
             uint16_t id = (uint16_t)q->shadow_id[k];
             VQ_SET(r->desc[id].next, h);
             h = id;
+            VHI_POINT(f);
         }
         f->last_batch_head = h;
         VHI_STORE(r->last_batch_head, h);
+        VHI_POINT(f);
         vq_dev_flush(q);   /* used->idx (release) */
-        for (uint32_t k = 0; k < n; k++)
+        VHI_POINT(f);
+        for (uint32_t k = 0; k < n; k++) {
             VQ_SET(r->desc[q->shadow_id[k]].inflight, 0);
+            VHI_POINT(f);
+        }
         VHI_STORE(r->used_idx, q->used_idx);
     }
     f->completed += n;

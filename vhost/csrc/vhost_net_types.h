@@ -90,6 +90,7 @@ struct vh_inflight {
     uint32_t nresubmit, resubmit_pos;
     struct vring_packed_desc *scratch;   /* packed: one chain's descriptors, re-parsed as a ring */
     uint64_t taken, completed, resubmitted;
+    uint32_t die_at;             /* tests: _exit(9) at the die_at-th store point below from now (0: off) */
 };
 
 struct vh_net {
