@@ -26,11 +26,15 @@
 #define VHI_HOOK static inline __attribute__((always_inline))   /* at the call sites: one NULL test when off */
 #define VHI_TRACKED static __attribute__((noinline))             /* out of line: leaves the loops as they were */
 /* A store point: a test sets f->die_at = k and the process dies as a kill -9 would at the k-th point, so that
- * a crash after every store of the write order above can be tried (tests/test_inflight_crash_points.py). */
-#define VHI_POINT(f) do { if (__builtin_expect((f)->die_at != 0, 0) && --(f)->die_at == 0) _exit(9); } while (0)
+ * a crash after every store of the write order above can be tried (tests/test_inflight_crash_points.py). The
+ * functions with points take a constant `pts` and are built twice (VHI_WITH_POINTS): with die_at 0 the points
+ * are not there at all, and the data path pays one test per call. */
+#define VHI_POINT(f) do { if (pts && --(f)->die_at == 0) _exit(9); } while (0)
+#define VHI_WITH_POINTS(f, call) do { if (__builtin_expect((f)->die_at != 0, 0)) call(1); else call(0); } while (0)
+#define VHI_BODY static inline __attribute__((always_inline))
 
 /* Chains k0..c->n-1 of c were just taken (split: their heads index the area). */
-static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0)
+VHI_BODY void vhi_taken_split_(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0, const int pts)
 {
     struct vhi_region_split *r = (struct vhi_region_split *)f->region;
     for (uint32_t k = k0; k < c->n; k++) {
@@ -46,8 +50,8 @@ static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains
 /* Packed: chains k0..c->n-1, laid out in the ring from `slot` on, were just taken. Each gets a chain of free
  * entries holding copies of its descriptors (the ring slots may be overwritten by out-of-order used
  * descriptors while it is in flight). */
-static inline void vhi_taken_packed(struct vh_inflight *f, const struct vq_device *q, const struct vq_chains *c,
-                                    uint32_t k0, uint16_t slot)
+VHI_BODY void vhi_taken_packed_(struct vh_inflight *f, const struct vq_device *q, const struct vq_chains *c,
+                                uint32_t k0, uint16_t slot, const int pts)
 {
     struct vhi_region_packed *r = (struct vhi_region_packed *)f->region;
     uint16_t size = f->size;
@@ -93,6 +97,21 @@ static inline void vhi_taken_packed(struct vh_inflight *f, const struct vq_devic
         VHI_POINT(f);
     }
     f->taken += c->n - k0;
+}
+
+static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0)
+{
+#define VHI_CALL(p) vhi_taken_split_(f, c, k0, p)
+    VHI_WITH_POINTS(f, VHI_CALL);
+#undef VHI_CALL
+}
+
+static inline void vhi_taken_packed(struct vh_inflight *f, const struct vq_device *q, const struct vq_chains *c,
+                                    uint32_t k0, uint16_t slot)
+{
+#define VHI_CALL(p) vhi_taken_packed_(f, q, c, k0, slot, p)
+    VHI_WITH_POINTS(f, VHI_CALL);
+#undef VHI_CALL
 }
 
 /* Take the chains of the resubmit list again, in the order they were first taken. 0, or -1 (broken). */
@@ -186,7 +205,7 @@ VHI_HOOK int vhi_poll(struct vq_device *q, struct vq_chains *c, uint32_t max, st
     return vhi_poll_tracked(q, c, max, f);
 }
 
-VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
+VHI_BODY void vhi_flush_tracked_(struct vq_device *q, struct vh_inflight *f, const int pts)
 {
     uint32_t n = q->shadow_count;
     if (n == 0 || !vhi_matches(q, f))
@@ -248,6 +267,13 @@ VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
         VHI_STORE(r->used_idx, q->used_idx);
     }
     f->completed += n;
+}
+
+VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
+{
+#define VHI_CALL(p) vhi_flush_tracked_(q, f, p)
+    VHI_WITH_POINTS(f, VHI_CALL);
+#undef VHI_CALL
 }
 
 /* Publish the shadow used entries (vq_dev_flush), recording the completions around it. */
