@@ -3,6 +3,7 @@ import json
 import os
 import sys
 
+from rings.affinity import pin_error
 from rings.errors import ConfigError
 from rings.layout import check_size
 from virtio.app import DriverConfig, run
@@ -131,8 +132,8 @@ def _check_args(args):
         check_size("packed" if args.packed else "split", args.ring_size)
     except ConfigError as e:
         return f"--ring-size: {e}"
-    if args.pin is not None and args.pin not in os.sched_getaffinity(0):
-        return f"--pin {args.pin} is not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})"
+    if args.pin is not None and pin_error(args.pin):
+        return pin_error(args.pin)
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):

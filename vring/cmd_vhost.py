@@ -4,7 +4,7 @@ import os
 import signal
 import sys
 
-from rings.affinity import pin_all_threads
+from rings.affinity import pin_all_threads, pin_error
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
 
@@ -91,13 +91,8 @@ def run(args):
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
         return _error(f"--max-connections must be >= 1, not {args.max_connections}")
     if args.pin is not None:   # before --pcap creates its file
-        allowed = sorted(os.sched_getaffinity(0))
-        if args.pin not in allowed:   # a number past a C long was an OverflowError out of sched_setaffinity
-            return _error(f"--pin {args.pin}: not a CPU this process may run on ({allowed})")
-        try:
-            os.sched_setaffinity(0, {args.pin})
-        except OSError as e:
-            return _error(f"--pin {args.pin}: cannot pin to that CPU: {e}")
+        if pin_error(args.pin):
+            return _error(pin_error(args.pin))
         pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
     pcap = None
     try:

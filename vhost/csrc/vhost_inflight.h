@@ -27,10 +27,10 @@
 #define VHI_TRACKED static __attribute__((noinline))             /* out of line: leaves the loops as they were */
 /* A store point: a test sets f->die_at = k and the process dies as a kill -9 would at the k-th point, so that
  * a crash after every store of the write order above can be tried (tests/test_inflight_crash_points.py). The
- * functions with points take a constant `pts` and are built twice (VHI_WITH_POINTS): with die_at 0 the points
- * are not there at all, and the data path pays one test per call. */
+ * functions with points take a constant `pts` and are built twice (their wrappers call them with die_at != 0):
+ * with die_at 0 the points are not there at all, and the data path pays one test per call. */
 #define VHI_POINT(f) do { if (pts && --(f)->die_at == 0) _exit(9); } while (0)
-#define VHI_WITH_POINTS(f, call) do { if (__builtin_expect((f)->die_at != 0, 0)) call(1); else call(0); } while (0)
+#define VHI_DYING(f) __builtin_expect((f)->die_at != 0, 0)
 #define VHI_BODY static inline __attribute__((always_inline))
 
 /* Chains k0..c->n-1 of c were just taken (split: their heads index the area). */
@@ -101,17 +101,19 @@ VHI_BODY void vhi_taken_packed_(struct vh_inflight *f, const struct vq_device *q
 
 static inline void vhi_taken_split(struct vh_inflight *f, const struct vq_chains *c, uint32_t k0)
 {
-#define VHI_CALL(p) vhi_taken_split_(f, c, k0, p)
-    VHI_WITH_POINTS(f, VHI_CALL);
-#undef VHI_CALL
+    if (VHI_DYING(f))
+        vhi_taken_split_(f, c, k0, 1);
+    else
+        vhi_taken_split_(f, c, k0, 0);
 }
 
 static inline void vhi_taken_packed(struct vh_inflight *f, const struct vq_device *q, const struct vq_chains *c,
                                     uint32_t k0, uint16_t slot)
 {
-#define VHI_CALL(p) vhi_taken_packed_(f, q, c, k0, slot, p)
-    VHI_WITH_POINTS(f, VHI_CALL);
-#undef VHI_CALL
+    if (VHI_DYING(f))
+        vhi_taken_packed_(f, q, c, k0, slot, 1);
+    else
+        vhi_taken_packed_(f, q, c, k0, slot, 0);
 }
 
 /* Take the chains of the resubmit list again, in the order they were first taken. 0, or -1 (broken). */
@@ -271,9 +273,10 @@ VHI_BODY void vhi_flush_tracked_(struct vq_device *q, struct vh_inflight *f, con
 
 VHI_TRACKED void vhi_flush_tracked(struct vq_device *q, struct vh_inflight *f)
 {
-#define VHI_CALL(p) vhi_flush_tracked_(q, f, p)
-    VHI_WITH_POINTS(f, VHI_CALL);
-#undef VHI_CALL
+    if (VHI_DYING(f))
+        vhi_flush_tracked_(q, f, 1);
+    else
+        vhi_flush_tracked_(q, f, 0);
 }
 
 /* Publish the shadow used entries (vq_dev_flush), recording the completions around it. */
