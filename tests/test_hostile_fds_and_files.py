@@ -162,6 +162,45 @@ def test_vhost_bad_argument_is_one_line_exit_2(tmp_path, args):
     assert not sock.exists() and not (tmp_path / "x.pcap").exists()
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--burst", "0"], "burst must be 1..1024"), (["--txq-flush", "bogus"], "txq flush must be"),
+    (["--pkt-size", "1"], "packet buffer size must be"), (["--snapshot-keep", "0"], "--snapshot-keep must be"),
+    (["--ctl", "{tmp}/no/ctl"], "cannot listen on"), (["--socket", "{tmp}/no/vh.sock"], "cannot listen on"),
+    (["--socket", "{tmp}/live.sock"], "a server is listening on this socket already"),
+    (["--ctl", "{tmp}/live.sock"], "a server is listening on this socket already")])
+def test_vhost_that_does_not_start_leaves_the_capture_file_alone(tmp_path, args, words):
+    """`vring vhost --pcap FILE` that stops at a usage error or a taken socket neither creates FILE nor truncates
+    the one there (a capture of an earlier run; the live one of the backend on that socket): it was opened, with
+    O_TRUNC, before the options were checked and the sockets bound, and left behind as a 24-byte header."""
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(tmp_path / "live.sock"))
+    live.listen(1)
+    try:
+        for old in (None, b"an earlier capture"):
+            pcap = tmp_path / "x.pcap"
+            if old is not None:
+                pcap.write_bytes(old)
+            p = subprocess.run([sys.executable, "-m", "vring.cli", "vhost", "--socket", str(tmp_path / "vh.sock"),
+                                "--pcap", str(pcap), *[a.format(tmp=tmp_path) for a in args]],
+                               capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
+            assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
+            assert (pcap.read_bytes() if pcap.exists() else None) == old, (old, p.stderr)
+            assert sorted(os.listdir(tmp_path)) == sorted(["live.sock"] + (["x.pcap"] if old else [])), p.stderr
+    finally:
+        live.close()
+
+
+@pytest.mark.parametrize("where", ["socket", "ctl"])
+def test_vhost_pcap_on_its_own_socket_is_an_error_that_leaves_nothing(tmp_path, where):
+    """--pcap naming the path of --socket or --ctl: one error, exit 2, nothing left there."""
+    path = str(tmp_path / "s")
+    argv = ["--socket", path] if where == "socket" else ["--socket", str(tmp_path / "vh.sock"), "--ctl", path]
+    p = subprocess.run([sys.executable, "-m", "vring.cli", "vhost", *argv, "--pcap", path],
+                       capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert os.listdir(tmp_path) == [], p.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_vhost_ends_cleanly_on_every_stop_signal(tmp_path, sig):
     """A closed terminal (SIGHUP) stops `vring vhost` like Ctrl-C and SIGTERM: exit 0, its socket file removed

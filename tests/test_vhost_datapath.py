@@ -214,6 +214,30 @@ def test_tracked_direct_frames_rx_published_before_tx_completed(pairs, packed):
     assert QueueTracking(p.area, 0, SIZE).start(rq, p.mem) == 0, "Rx buffers published and still in flight"
 
 
+@pytest.mark.parametrize("flush", ["rx-batch", "none"])
+@pytest.mark.parametrize("packed", [False, True], ids=["split", "packed"])
+def test_tracked_data_path_runs_the_copy_without_store_points(pairs, packed, flush):
+    """The tracked poll and flush are built twice (vhost_inflight.h): the copy with store points only for a test
+    that set die_at. With die_at 0 the other one runs, both queues, taken and completed: die_at stays 0, where
+    the copy with points would count it down past 0 (to 2**32 - 1), and the data path would pay for the points.
+    With die_at set the copy with points runs (tests/test_inflight_crash_points.py kills at each)."""
+    p = pairs(Options(fwd="io", txq_flush=flush), packed=packed, tracked=True)
+    trk = p.dp.tracking
+    for die_at in (0, 1 << 30):
+        for t in trk:
+            t.c.die_at = die_at
+        for _ in range(12):   # 12 x 32 frames: around the ring (256) and past it
+            p.post_rx(32)
+            p.send(32)
+            assert p.dp.step() == {}
+            assert len(p.received()) == 32 and p.reclaim_tx() == 32
+        if die_at == 0:
+            assert [int(t.c.die_at) for t in trk] == [0, 0], "the copy with store points ran with die_at 0"
+        else:   # at least one point per chain taken and one per chain completed, each queue
+            assert all(int(t.c.die_at) <= die_at - 2 * 12 * 32 for t in trk), [int(t.c.die_at) for t in trk]
+    assert [int(t.c.taken) for t in trk] == [2 * 12 * 32] * 2 and [int(t.c.completed) for t in trk] == [2 * 12 * 32] * 2
+
+
 def test_slow_driver_every_packet_delivered_or_dropped(pairs):
     """A driver thread posts Rx buffers slowly while the backend runs: retries stay within the limit per
     flush, and sent == delivered + dropped."""

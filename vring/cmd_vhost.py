@@ -1,4 +1,5 @@
 """`vring vhost`: the vhost-user backend emulator (a virtio-net device that forwards packets back)."""
+import dataclasses
 import logging
 import os
 import signal
@@ -90,21 +91,17 @@ def run(args):
         return _error(f"--slice-us must be at most 10000000 (10 s), not {args.slice_us}")
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
         return _error(f"--max-connections must be >= 1, not {args.max_connections}")
-    if args.pin is not None:   # before --pcap creates its file
+    if args.pin is not None:
         if pin_error(args.pin):
             return _error(pin_error(args.pin))
         pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
-    pcap = None
     try:
-        if args.pcap:
-            from rings.pcap import PcapWriter
-            pcap = PcapWriter(args.pcap, args.pcap_count or None)
         opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
                        in_order_batch=args.in_order_batch, txq_threshold=args.txq_threshold,
                        txq_flush=args.txq_flush, fwd=args.fwd, pkt_size=args.pkt_size,
-                       timing=args.timing, pcap=pcap, idle=args.idle, idle_polls=args.idle_polls,
+                       timing=args.timing, idle=args.idle, idle_polls=args.idle_polls,
                        crash_after=args.crash_after)
-    except (ConfigError, OSError, ValueError) as e:
+    except (ConfigError, ValueError) as e:
         return _error(e)
     error = snapshot_options.apply(args)
     if error:
@@ -126,6 +123,17 @@ def run(args):
     except ConfigError as e:
         server.close()
         return _error(e)
+    pcap = None
+    if args.pcap:   # last: a run that ends in a usage error or on a taken socket neither leaves nor truncates it
+        from rings.pcap import PcapWriter
+        try:
+            pcap = PcapWriter(args.pcap, args.pcap_count or None)
+        except (OSError, ValueError) as e:
+            if ctl is not None:
+                ctl.close()
+            server.close()
+            return _error(f"--pcap {args.pcap}: {e}")
+        server.options = dataclasses.replace(opts, pcap=pcap)   # no connection yet: each one's device takes these
     if not args.client:
         print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
     try:
