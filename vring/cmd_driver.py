@@ -132,8 +132,8 @@ def _check_args(args):
         check_size("packed" if args.packed else "split", args.ring_size)
     except ConfigError as e:
         return f"--ring-size: {e}"
-    if args.pin is not None and pin_error(args.pin):
-        return pin_error(args.pin)
+    if args.pin is not None and (why := pin_error(args.pin)):
+        return why
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):

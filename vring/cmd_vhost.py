@@ -92,8 +92,8 @@ def run(args):
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
         return _error(f"--max-connections must be >= 1, not {args.max_connections}")
     if args.pin is not None:
-        if pin_error(args.pin):
-            return _error(pin_error(args.pin))
+        if why := pin_error(args.pin):
+            return _error(why)
         pin_all_threads(args.pin)   # numpy's BLAS threads too: started at import, unpinned
     try:
         opts = Options(burst=args.burst, retries=args.retries, used_batch=args.used_batch,
