@@ -12,8 +12,9 @@ A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``s
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
 ``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
 a code change). Each variant at most once; --inject at most the rings' 256 (a multiple of 32 with DPDK's driver).
-Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats: the share of its
-dequeues that found nothing, median over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd
+Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats and
+--record-core-cycles: the share of its dequeues that found nothing and its busy cycles per packet, medians over
+slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd
 macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
 matrix are compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our
 backend's --stats-interval lines, over the slice.
@@ -22,12 +23,23 @@ backend's --stats-interval lines, over the slice.
     python3 benchmarks/interleaved.py --device ours --path split --variants 'ours;ours@/tmp/other-checkout'
     python3 benchmarks/interleaved.py --path packed-inorder --variants 'dpdk/dpdk;ours/ours;ours/dpdk;dpdk/ours'
 
-Prints a table (median rate, median and quartiles of the per-round ratio to the first variant) and, with --json,
-every slice. Not a test: run it alone on the machine.
+Where the host has put the two CPUs matters as much as any code change: on this VM a cache line takes ~35-50 ns
+to move between them in one placement and ~200-240 ns in the other, and the host switches every few seconds. So
+before each slice, with every pair stopped, one line is bounced between the two CPUs for 20 ms
+(rings.affinity.line_transfer_ns), and when the probes show two placements the table is printed again for the
+rounds that ran wholly in each (near / far). How fast one instance of a pair runs also depends on where its memory
+landed: --instances K starts K pairs per variant, all measured every round, and takes their mean per round.
+
+Prints a table (median rate, median and quartiles of the per-round ratio to the first variant, net_vhost's
+empty-dequeue share, dequeues per 32 packets and busy TSC cycles per packet, each instance's median rate) and,
+with --json, every slice. Not a test: run it alone on the machine.
+
+    python3 benchmarks/interleaved.py --path split-inorder --inject 256 --variants 'dpdk;ours' --instances 2
 """
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -41,6 +53,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from rings.affinity import line_transfer_ns  # noqa: E402
+from rings.errors import VringError  # noqa: E402
 from vring import dpdk  # noqa: E402
 
 PATHS = ("split", "split-inorder", "packed", "packed-inorder")
@@ -168,7 +182,7 @@ class DpdkDevice:
 
     def __init__(self, sock, workdir, cpus):
         self.tp = dpdk.Testpmd.vhost(sock, burst=32, fwd="macswap", lcores=(cpus[1], cpus[0]),
-                                     extra=["--record-burst-stats"],
+                                     extra=["--record-burst-stats", "--record-core-cycles"],
                                      log_path=os.path.join(workdir, os.path.basename(sock) + "-device.log"))
         self.tp.start(60)
         self.pid = self.tp.pid
@@ -187,14 +201,18 @@ class DpdkDevice:
         self.tp.command("clear fwd stats all")
 
     def dequeues(self):
-        """Since clear(): the share of its dequeues (RX bursts) that found nothing, and dequeues per 32 packets."""
+        """Since clear(): the share of its dequeues (RX bursts) that found nothing, dequeues per 32 packets, and
+        its busy TSC cycles per packet (--record-core-cycles: the cycles of the forwarding calls that received
+        something, over the packets; the device's own cost per packet, idle polls left out)."""
         out = self.tp.command("show fwd stats all")
         m = re.search(r"RX-bursts\s*:\s*(\d+)\s*\[([^\]]*)\]", out)
         rx = re.search(r"RX-packets:\s*(\d+)", out)
         if not m or not rx or not int(rx.group(1)):
             return None
         empty = re.search(r"(\d+)% of 0 pkts", m.group(2))
-        return (int(empty.group(1)) / 100 if empty else 0.0), int(m.group(1)) * 32 / int(rx.group(1))
+        cyc = re.search(r"CPU cycles/packet=([\d.]+)", out)
+        return ((int(empty.group(1)) / 100 if empty else 0.0), int(m.group(1)) * 32 / int(rx.group(1)),
+                float(cyc.group(1)) if cyc else float("nan"))
 
     def close(self):
         self.tp.close()
@@ -211,7 +229,7 @@ class Pair:
     def __init__(self, variant):
         self.name = variant
         self.device = self.driver = self.driver_out = None
-        self.pids, self.rates, self.dequeues = [], [], []
+        self.pids, self.rates, self.dequeues, self.probes = [], [], [], []
 
     def start(self, k, args, workdir):
         variant = self.name
@@ -253,10 +271,16 @@ class Pair:
             raise Failure(f"{self.name}: testpmd virtio_user exited (status {self.driver.returncode}):\n"
                           + "\n".join(self.driver.log.splitlines()[-12:]))
 
-    def slice(self, seconds, keep=True):
+    def slice(self, seconds, cpus, keep=True):
         """Run the pair for `seconds`; its rate and net_vhost's dequeue counts over that time.  Those counts are
         per slice, read while both sides run: a device running alone, or while a command to one testpmd takes the
         CPU the other's loop runs on, finds nothing for milliseconds, and a cumulative count would keep that."""
+        probe = None
+        if keep and cpus[0] != cpus[1]:   # every pair stopped: both CPUs free
+            try:
+                probe = line_transfer_ns(*cpus)
+            except VringError as e:
+                raise Failure(f"the line probe before {self.name}'s slice: {e}") from e
         _signal(self.pids, signal.SIGCONT)
         self.device.clear()
         n0, t0 = self.device.count()
@@ -271,8 +295,8 @@ class Pair:
         if n1 <= n0:  # no rate to compare (and none to divide by)
             raise Failure(f"{self.name}: the device received nothing in {seconds + 2} s")
         if keep:
-            if d is not None:
-                self.dequeues.append(d)
+            self.dequeues.append(d)
+            self.probes.append(probe)
             self.rates.append((n1 - n0) / (t1 - t0))
 
     def close(self):
@@ -288,21 +312,68 @@ class Pair:
                 self.device.close()
 
 
-def summary(pairs):
-    """Per variant (name -> dict): its rates, the median and quartiles (inclusive) of its per-round ratios to the
-    first pair's rate in the same round, and the medians over slices of net_vhost's empty-dequeue share and
-    dequeues per 32 packets (None with our device)."""
-    base, out = pairs[0], {}
+def placement_threshold(probes):
+    """The line-transfer time (ns) that splits near placements of the two CPUs from far ones, or None when the
+    probes show one placement only: the 10th and 90th percentiles at least 2x apart (this VM: ~35-50 ns against
+    ~200-240 ns), split at their geometric mean."""
+    if len(probes) < 4:
+        return None
+    q = statistics.quantiles(probes, n=10, method="inclusive")
+    lo, hi = q[0], q[-1]
+    return math.sqrt(lo * hi) if hi >= 2 * lo else None
+
+
+def summary(pairs, rounds=None):
+    """Per variant (name -> dict): its rate in each round (the mean over its instances), the median and quartiles
+    (inclusive) of its per-round ratios to the first variant's rate in the same round, each instance's median
+    rate, and the medians over slices of net_vhost's empty-dequeue share, dequeues per 32 packets and busy cycles
+    per packet (None with our device). ``rounds``: only those (indices), e.g. the rounds of one placement."""
+    groups = {}
     for pair in pairs:
-        ratios = [x / y for x, y in zip(pair.rates, base.rates)]
+        groups.setdefault(pair.name, []).append(pair)
+    keep = range(len(pairs[0].rates)) if rounds is None else rounds
+    per_round = {name: [statistics.fmean(group[k].rates[r] for k in range(len(group))) for r in keep]
+                 for name, group in groups.items()}
+    base, out = per_round[pairs[0].name], {}
+    for name, group in groups.items():
+        rates = per_round[name]
+        ratios = [x / y for x, y in zip(rates, base)]
         q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-        e = [statistics.median(x) for x in zip(*pair.dequeues)] if pair.dequeues else None
-        out[pair.name] = {"rates": pair.rates, "ratio_median": statistics.median(ratios),
-                          "ratio_q1": q[0], "ratio_q3": q[2],
-                          "empty_dequeue_share": None if e is None else e[0],
-                          "dequeues_per_32": None if e is None else e[1],
-                          "dequeues_per_slice": pair.dequeues}
+        slices = [p.dequeues[r] for p in group for r in keep if p.dequeues[r] is not None]
+        e = [statistics.median(x) for x in zip(*slices)] if slices else None
+        out[name] = {"rates": rates, "ratio_median": statistics.median(ratios),
+                     "ratio_q1": q[0], "ratio_q3": q[2],
+                     "instance_rates": [statistics.median(p.rates[r] for r in keep) for p in group],
+                     "empty_dequeue_share": None if e is None else e[0],
+                     "dequeues_per_32": None if e is None else e[1],
+                     "device_cycles_per_packet": None if e is None else e[2],
+                     "dequeues_per_slice": slices}
     return out
+
+
+def by_placement(pairs):
+    """The rounds split by where the host had put the two CPUs (line_transfer_ns before each slice): {"threshold_ns",
+    "probes_ns", "near": [round indices], "far": [...], "mixed": [...]} (a mixed round's slices saw both); the
+    lists are empty and the threshold None when the probes show one placement only."""
+    probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in pairs]
+    t = placement_threshold(probes) if None not in probes else None   # None: one CPU for both sides
+    out = {"threshold_ns": t, "probes_ns": probes, "near": [], "far": [], "mixed": []}
+    if t is not None:
+        for r in range(len(pairs[0].rates)):
+            near = {p.probes[r] < t for p in pairs}
+            out["mixed" if len(near) > 1 else "near" if near == {True} else "far"].append(r)
+    return out
+
+
+def print_table(variants, instances, w, base):
+    print(f"{'driver':{w}} {'Mpps':>6} {'vs ' + base:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7} "
+          f"{'dev cyc/pkt':>11}" + ("  instances, Mpps" if instances > 1 else ""))
+    for name, v in variants.items():
+        e, d, c = v["empty_dequeue_share"], v["dequeues_per_32"], v["device_cycles_per_packet"]
+        print(f"{name:{w}} {statistics.median(v['rates']) / 1e6:6.2f} {v['ratio_median']:14.3f} "
+              f"{v['ratio_q1']:6.3f} {v['ratio_q3']:6.3f} {'' if e is None else f'{e:.0%}':>10} "
+              f"{'' if d is None else f'{d:.2f}':>7} {'' if c is None else f'{c:.0f}':>11}"
+              + ("  " + " ".join(f"{r / 1e6:.2f}" for r in v["instance_rates"]) if instances > 1 else ""))
 
 
 def main():
@@ -317,6 +388,9 @@ def main():
     ap.add_argument("--slice", type=float, default=0.4, help="seconds each pair runs per round")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds each pair runs alone after it starts")
     ap.add_argument("--cpus", default="0,1", help="DEVICE,DRIVER (default 0,1)")
+    ap.add_argument("--instances", type=int, default=1,
+                    help="pairs started per variant, each measured every round; a variant's rate in a round is the "
+                         "mean over its instances (how fast one instance runs depends on where its memory landed)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     if args.device != "dpdk" and args.device.split("@")[0] != "ours":
@@ -330,6 +404,8 @@ def main():
         ap.error("--cpus: DEVICE,DRIVER")
     if not set(args.cpus) <= set(allowed):
         ap.error(f"--cpus {args.cpus[0]},{args.cpus[1]}: this process may run on CPUs {allowed} only")
+    if not 1 <= args.instances <= 8:
+        ap.error("--instances: 1 to 8")
     if args.rounds < 1 or args.inject < 1 or not 0 < args.slice <= 3600 or not 0 <= args.warmup <= 3600:
         ap.error("--rounds and --inject must be positive, --slice 0 < S <= 3600, --warmup 0 <= S <= 3600")
     if args.inject > RING:
@@ -365,7 +441,7 @@ def main():
     pairs = []
     try:
         at = None   # the pair a testpmd error comes from
-        for k, v in enumerate(variants):
+        for k, v in enumerate(v for _ in range(args.instances) for v in variants):
             pair = at = Pair(v)
             pairs.append(pair)
             pair.start(k, args, workdir)
@@ -377,7 +453,7 @@ def main():
         for r in range(args.rounds + 1):
             for pair in (pairs if r % 2 == 0 else pairs[::-1]):
                 at = pair
-                pair.slice(args.slice, keep=r > 0)
+                pair.slice(args.slice, args.cpus, keep=r > 0)
     except Failure as e:
         sys.exit(f"interleaved: {e}")
     except dpdk.TestpmdError as e:
@@ -397,17 +473,25 @@ def main():
                 print(f"interleaved: closing {pair.name}: {e}", file=sys.stderr)
         shutil.rmtree(workdir, ignore_errors=True)
 
-    base = pairs[0]
+    each = f", {args.instances} instances of each variant" if args.instances > 1 else ""
     print(f"{args.path}, {args.inject} in flight, device {args.device} unless the variant names one: {args.rounds} "
-          f"rounds of {args.slice} s slices")
+          f"rounds of {args.slice} s slices{each}")
     w = max(34, *(len(p.name) + 1 for p in pairs))
-    print(f"{'driver':{w}} {'Mpps':>6} {'vs ' + base.name:>14} {'q1':>6} {'q3':>6} {'empty deq':>10} {'deq/32':>7}")
     out = {"config": vars(args), "variants": summary(pairs)}
-    for name, v in out["variants"].items():
-        e, d = v["empty_dequeue_share"], v["dequeues_per_32"]
-        print(f"{name:{w}} {statistics.median(v['rates']) / 1e6:6.2f} {v['ratio_median']:14.3f} "
-              f"{v['ratio_q1']:6.3f} {v['ratio_q3']:6.3f} {'' if e is None else f'{e:.0%}':>10} "
-              f"{'' if d is None else f'{d:.2f}':>7}")
+    print_table(out["variants"], args.instances, w, pairs[0].name)
+    split = out["placement"] = by_placement(pairs)
+    t = split["threshold_ns"]
+    if None not in split["probes_ns"]:
+        print(f"\none cache line CPU {args.cpus[0]} -> CPU {args.cpus[1]}, before each slice: median "
+              f"{statistics.median(split['probes_ns']):.0f} ns, " + (
+                  "one placement" if t is None else
+                  f"two placements: near (< {t:.0f} ns) in {len(split['near'])} rounds, far in {len(split['far'])}, "
+                  f"both in {len(split['mixed'])}"))
+    for where in ("near", "far"):
+        if split[where]:
+            out[where] = summary(pairs, split[where])
+            print(f"\n{where} rounds only ({len(split[where])}):")
+            print_table(out[where], args.instances, w, pairs[0].name)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

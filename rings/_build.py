@@ -54,6 +54,7 @@ int gf_watch_add(uintptr_t lo, size_t len, size_t align);
 void gf_watch_remove(int slot);
 unsigned long gf_watch_faults(int slot, uintptr_t *lowest);
 unsigned long gf_watch_total(void);
+double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budget_ns);
 """
 
 
@@ -63,11 +64,11 @@ def rings_ffi(opt="-O2", extra_compile_args=(), extra_link_args=()):
     ffi.cdef(CDEF)
     ffi.set_source(
         "rings._virtq",
-        '#include "virtq.h"\n#include "guest_fault.h"',
+        '#include "probe.h"\n#include "virtq.h"\n#include "guest_fault.h"',
         include_dirs=[CSRC],
         extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
         extra_link_args=list(extra_link_args),
-        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "guest_fault.h")],
+        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "guest_fault.h", "probe.h")],
     )
     return ffi
 

@@ -1,4 +1,5 @@
-"""CPU pinning of a whole process (`vring driver --pin`, `vring vhost --pin`)."""
+"""CPU pinning of a whole process (`vring driver --pin`, `vring vhost --pin`), and what a cache line costs to
+move between two CPUs."""
 import os
 
 
@@ -20,3 +21,33 @@ def pin_all_threads(cpu):
             os.sched_setaffinity(int(tid), {cpu})
         except (ProcessLookupError, OSError):
             pass
+
+
+def line_transfer_ns(cpu_a, cpu_b, seconds=0.02):
+    """How long one cache line takes to move from ``cpu_a`` to ``cpu_b``, in ns (the median of five samples
+    spread over ``seconds``; csrc/probe.h). The calling thread runs on ``cpu_a`` for that time, then gets its
+    CPU set back. Both CPUs should be free: what else runs there is measured too.
+
+    Every ring publication and completion of a two-process pair is such a move. On a shared VM the host places
+    the two vCPUs on cores that share a cache or on cores that do not, and moves them every few seconds (this
+    VM: ~35-50 ns or ~200-240 ns), so a rate means little without the placement it was measured in
+    (benchmarks/interleaved.py labels each round with it). ConfigError for two equal CPUs, a CPU this process
+    may not run on (its cpuset: a thread pinned elsewhere may still probe) or a time outside (0, 10] s; VringError
+    when the thread on ``cpu_b`` never answered."""
+    from rings.errors import ConfigError, VringError
+    from rings._virtq import lib
+
+    for cpu in (cpu_a, cpu_b):
+        if not isinstance(cpu, int) or not 0 <= cpu < 1024:   # glibc's CPU_SETSIZE
+            raise ConfigError(f"line_transfer_ns: {cpu!r} is not a CPU number")
+    if cpu_a == cpu_b:
+        raise ConfigError(f"line_transfer_ns: two different CPUs needed, got {cpu_a} twice")
+    if not 0 < seconds <= 10:
+        raise ConfigError(f"line_transfer_ns: seconds {seconds!r} outside (0, 10]")
+    ns = lib.probe_line_transfer_ns(cpu_a, cpu_b, int(seconds * 1e9))
+    if ns == -1:
+        raise ConfigError(f"line_transfer_ns: could not run a thread on CPU {cpu_a} and one on CPU {cpu_b} "
+                          f"(not CPUs this process may run on?)")
+    if ns < 0:
+        raise VringError(f"line_transfer_ns: CPU {cpu_b} never answered (something else holds it)")
+    return ns

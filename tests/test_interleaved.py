@@ -81,6 +81,8 @@ def _run(tmp_path, *args, timeout=120):
     (["--warmup", "inf"], "--warmup 0 <= S <= 3600"),
     (["--inject", "257"], "at most 256"),
     (["--json", "/nonexistent/dir/r.json"], "cannot write there"),
+    (["--instances", "0"], "--instances: 1 to 8"),
+    (["--instances", "9"], "--instances: 1 to 8"),
 ])
 def test_refuses_before_starting_anything(tmp_path, args, says):
     r = _run(tmp_path, *args, timeout=30)
@@ -319,25 +321,77 @@ def test_one_pair_runs_at_a_time_each_side_on_its_cpu(tmp_path, variants):
         assert fwd and all(c == want for c in fwd), f"pair {k} {role}: {threads}, wanted {want}"
 
 
-def test_summary_arithmetic_on_recorded_slices():
-    """attack54's surviving mutants in the summary: a ratio inverted, the median taken as a mean, the quartiles by
-    the exclusive method (outside the data), the dequeue medians per column swapped."""
+def _tool():
     import importlib.util
     spec = importlib.util.spec_from_file_location("interleaved", TOOL)
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
+    return m
 
-    class P:
-        def __init__(self, name, rates, dequeues=()):
-            self.name, self.rates, self.dequeues = name, rates, list(dequeues)
 
-    base = P("dpdk", [10.0, 10.0, 10.0, 10.0, 10.0])
-    other = P("ours", [10.0, 20.0, 30.0, 40.0, 100.0], [(0.1, 1.0), (0.2, 3.0), (0.9, 2.0)])
+class _P:
+    """A pair as the summary sees it: rates, dequeue stats (None: our device) and line probes, one per round."""
+
+    def __init__(self, name, rates, dequeues=None, probes=None):
+        self.name, self.rates = name, rates
+        self.dequeues = list(dequeues) if dequeues is not None else [None] * len(rates)
+        self.probes = list(probes) if probes is not None else [50.0] * len(rates)
+
+
+def test_summary_arithmetic_on_recorded_slices():
+    """attack54's surviving mutants in the summary: a ratio inverted, the median taken as a mean, the quartiles by
+    the exclusive method (outside the data), the dequeue medians per column swapped."""
+    m = _tool()
+    base = _P("dpdk", [10.0, 10.0, 10.0, 10.0, 10.0])
+    other = _P("ours", [10.0, 20.0, 30.0, 40.0, 100.0],
+               [(0.1, 1.0, 300.0), None, (0.2, 3.0, 500.0), None, (0.9, 2.0, 400.0)])
     s = m.summary([base, other])
     assert list(s) == ["dpdk", "ours"]
     assert s["dpdk"]["ratio_median"] == 1.0 and s["dpdk"]["empty_dequeue_share"] is None
     o = s["ours"]
     assert (o["ratio_q1"], o["ratio_median"], o["ratio_q3"]) == (2.0, 3.0, 4.0)   # ratios 1, 2, 3, 4, 10
-    assert (o["empty_dequeue_share"], o["dequeues_per_32"]) == (0.2, 2.0)
-    one = m.summary([P("a", [5.0]), P("b", [10.0])])["b"]
+    assert (o["empty_dequeue_share"], o["dequeues_per_32"], o["device_cycles_per_packet"]) == (0.2, 2.0, 400.0)
+    one = m.summary([_P("a", [5.0]), _P("b", [10.0])])["b"]
     assert (one["ratio_q1"], one["ratio_median"], one["ratio_q3"]) == (2.0, 2.0, 2.0)
+
+
+def test_instances_are_averaged_per_round_and_reported_each():
+    """--instances: a variant's rate in a round is the mean over its instances (not the first, not the median of
+    two), its ratio is taken against the first variant's mean, and each instance keeps its own median."""
+    m = _tool()
+    pairs = [_P("dpdk", [10.0, 10.0, 10.0]), _P("ours", [10.0, 30.0, 12.0]),
+             _P("dpdk", [20.0, 30.0, 10.0]), _P("ours", [20.0, 50.0, 18.0])]
+    s = m.summary(pairs)
+    assert s["dpdk"]["rates"] == [15.0, 20.0, 10.0] and s["ours"]["rates"] == [15.0, 40.0, 15.0]
+    assert s["ours"]["ratio_median"] == 1.5   # ratios 1, 2, 1.5
+    assert s["ours"]["instance_rates"] == [12.0, 20.0]
+    only = m.summary(pairs, rounds=[1])
+    assert only["ours"]["rates"] == [40.0] and only["ours"]["ratio_median"] == 2.0
+
+
+def test_rounds_are_split_by_where_the_two_cpus_were():
+    """The placement split: one placement when the probes stay within 2x of each other; else the threshold at the
+    geometric mean of the 10th and 90th percentiles, and a round is near or far only when every slice of it saw
+    the same placement (a round whose slices saw both is neither)."""
+    m = _tool()
+    assert m.placement_threshold([40.0, 45.0, 50.0, 60.0, 70.0]) is None
+    assert m.placement_threshold([40.0, 200.0]) is None   # too few to say
+    t = m.placement_threshold([40.0] * 5 + [200.0] * 5)
+    assert abs(t - (40.0 * 200.0) ** 0.5) < 1e-9
+    a = _P("dpdk", [1.0] * 4, probes=[40.0, 210.0, 45.0, 200.0])
+    b = _P("ours", [1.0] * 4, probes=[42.0, 205.0, 190.0, 220.0])
+    split = m.by_placement([a, b])
+    assert (split["near"], split["far"], split["mixed"]) == ([0], [1, 3], [2])
+    flat = m.by_placement([_P("x", [1.0] * 4, probes=[40.0, 41.0, 42.0, 43.0])])
+    assert flat["threshold_ns"] is None and flat["near"] == flat["far"] == flat["mixed"] == []
+
+
+def test_a_run_prints_where_the_cpus_were(tmp_path):
+    """Each slice is preceded by a line probe on --cpus (all pairs stopped); the run says what it found."""
+    r = _run(tmp_path, *SHORT, "--variants", "ours", "--instances", "2", "--json", str(tmp_path / "r.json"))
+    _assert_clean(tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "one cache line CPU" in r.stdout and "2 instances of each variant" in r.stdout
+    out = json.load(open(tmp_path / "r.json"))
+    assert len(out["placement"]["probes_ns"]) == 2 * 2 and all(x > 0 for x in out["placement"]["probes_ns"])
+    assert len(out["variants"]["ours"]["instance_rates"]) == 2

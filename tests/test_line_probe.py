@@ -1,0 +1,68 @@
+"""rings.affinity.line_transfer_ns (csrc/probe.h): what one cache line costs to move between two CPUs, the fact
+benchmarks/interleaved.py labels each round with. Its value is the machine's and is not asserted beyond being a
+time; what is asserted is that it refuses what it cannot measure with a typed error, never hangs, and leaves the
+calling thread where it was."""
+import math
+import os
+import threading
+
+import pytest
+
+from rings.affinity import line_transfer_ns
+from rings.errors import ConfigError, VringError
+
+CPUS = sorted(os.sched_getaffinity(0))
+two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs this process may run on")
+
+
+@two_cpus
+def test_a_line_moves_in_a_positive_finite_time_both_ways():
+    a, b = CPUS[0], CPUS[-1]
+    for x, y in ((a, b), (b, a)):
+        ns = line_transfer_ns(x, y, seconds=0.01)
+        assert math.isfinite(ns) and ns > 0
+
+
+@two_cpus
+def test_the_calling_thread_gets_its_cpu_set_back():
+    """The probe pins the calling thread to cpu_a while it runs: afterwards its own set is back, from the main
+    thread and from another thread (pthread_setaffinity_np on itself, not on the process)."""
+    before = os.sched_getaffinity(0)
+    line_transfer_ns(CPUS[-1], CPUS[0], seconds=0.01)
+    assert os.sched_getaffinity(0) == before
+    seen = {}
+
+    def other():
+        os.sched_setaffinity(0, {CPUS[0]})
+        line_transfer_ns(CPUS[-1], CPUS[0], seconds=0.01)
+        seen["after"] = os.sched_getaffinity(0)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert seen["after"] == {CPUS[0]}
+    assert os.sched_getaffinity(0) == before
+
+
+@pytest.mark.parametrize("args,says", [
+    ((0, 0), "two different CPUs"),
+    ((0, 4096), "is not a CPU number"),
+    ((-1, 0), "is not a CPU number"),
+    ((0, 2**70), "is not a CPU number"),
+    ((0, 1.0), "is not a CPU number"),
+    ((0, 1000), "could not run a thread on CPU"),   # a number, but no CPU of this machine
+    ((0, 1, 0), "outside (0, 10]"),
+    ((0, 1, -1), "outside (0, 10]"),
+    ((0, 1, 11), "outside (0, 10]"),
+    ((0, 1, float("nan")), "outside (0, 10]"),
+])
+def test_what_cannot_be_measured_is_refused(args, says):
+    if len(CPUS) < 2 and "outside" in says:
+        pytest.skip("needs two CPUs to reach the time check")
+    args = tuple(CPUS[-1] if (i == 1 and a == 1 and type(a) is int) else a for i, a in enumerate(args))
+    with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace("]", r"\]")):
+        line_transfer_ns(*args)
+
+
+def test_the_refusals_are_vring_errors():
+    assert issubclass(ConfigError, VringError)
