@@ -58,17 +58,22 @@ double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budget_ns);
 """
 
 
+# what rings._virtq compiles (tests/conformance/recording.py builds the same with VQ_RECORD)
+SOURCE = '#include "probe.h"\n#include "virtq.h"\n#include "guest_fault.h"'
+HEADERS = ("virtq.h", "virtq_types.h", "guest_fault.h", "probe.h")
+
+
 def rings_ffi(opt="-O2", extra_compile_args=(), extra_link_args=()):
     """The FFI builder of rings._virtq (``extra_*_args``: for separate builds, e.g. fuzz/'s sanitizer build)."""
     ffi = FFI()
     ffi.cdef(CDEF)
     ffi.set_source(
         "rings._virtq",
-        '#include "probe.h"\n#include "virtq.h"\n#include "guest_fault.h"',
+        SOURCE,
         include_dirs=[CSRC],
         extra_compile_args=[opt, "-std=gnu11", *extra_compile_args],
         extra_link_args=list(extra_link_args),
-        depends=[os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "guest_fault.h", "probe.h")],
+        depends=[os.path.join(CSRC, n) for n in HEADERS],
     )
     return ffi
 

@@ -21,7 +21,7 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC = os.path.join(ROOT, "rings", "csrc")
 # what is compiled into the build: the headers, and the cdef (rings/_build.py's CDEF, then this file's)
-SOURCES = [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "virtq_record.h", "guest_fault.h")] + [
+SOURCES = [os.path.join(CSRC, n) for n in ("virtq.h", "virtq_types.h", "virtq_record.h", "guest_fault.h", "probe.h")] + [
     os.path.join(ROOT, "rings", "_build.py"), __file__]
 MODULE = "rings._virtq_rec"
 
@@ -54,14 +54,14 @@ class Access(NamedTuple):
 def _ffibuilder():
     from cffi import FFI
 
-    from rings._build import CDEF
+    from rings._build import CDEF, SOURCE
     ffi = FFI()
     ffi.cdef(CDEF + """
 struct vq_rec_entry { uint64_t addr; uint64_t value; uint32_t size; uint32_t kind; };
 void vq_rec_start(struct vq_rec_entry *buf, uint32_t cap, void (*hook)(const struct vq_rec_entry *));
 uint32_t vq_rec_stop(uint32_t *lost);
 """)
-    ffi.set_source(MODULE, '#include "virtq.h"\n#include "guest_fault.h"', include_dirs=[CSRC], define_macros=[("VQ_RECORD", None)],
+    ffi.set_source(MODULE, SOURCE, include_dirs=[CSRC], define_macros=[("VQ_RECORD", None)],
                    extra_compile_args=["-O2", "-std=gnu11"])
     return ffi
 
