@@ -39,7 +39,6 @@ with --json, every slice. Not a test: run it alone on the machine.
 import argparse
 import glob
 import json
-import math
 import os
 import re
 import shutil
@@ -56,6 +55,7 @@ sys.path.insert(0, REPO)
 from rings.affinity import line_transfer_ns  # noqa: E402
 from rings.errors import VringError  # noqa: E402
 from vring import dpdk  # noqa: E402
+from vring.bench import placement_threshold  # noqa: E402
 
 PATHS = ("split", "split-inorder", "packed", "packed-inorder")
 STATS_INTERVAL = 0.05   # our backend's stats lines: several per slice
@@ -310,17 +310,6 @@ class Pair:
         finally:
             if self.device is not None:
                 self.device.close()
-
-
-def placement_threshold(probes):
-    """The line-transfer time (ns) that splits near placements of the two CPUs from far ones, or None when the
-    probes show one placement only: the 10th and 90th percentiles at least 2x apart (this VM: ~35-50 ns against
-    ~200-240 ns), split at their geometric mean."""
-    if len(probes) < 4:
-        return None
-    q = statistics.quantiles(probes, n=10, method="inclusive")
-    lo, hi = q[0], q[-1]
-    return math.sqrt(lo * hi) if hi >= 2 * lo else None
 
 
 def summary(pairs, rounds=None):

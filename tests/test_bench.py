@@ -80,6 +80,12 @@ def test_ours_against_ours_all_four_paths(tmp_path, tracked, capsys):
         assert ("IN_ORDER" in r["features"]) == r["in_order"]
     for name in bench.PATHS:   # the table names every point
         assert name in text
+    # where the host had put the two CPUs, probed before each measurement (none runs then)
+    probes = res["placement"]["probes_ns"]
+    if res["config"]["device_cpu"] != res["config"]["driver_cpu"]:
+        assert len(probes) == 4 and all(x > 0 for x in probes), probes
+        assert [r["line_ns_before"] for r in res["runs"]] == probes
+        assert "placement: one cache line CPU" in text
     _assert_clean(tmp_path, tracked)
 
 
@@ -372,3 +378,21 @@ def test_one_wide_spread_of_rates_is_not_two_speed_regimes():
     two = [7.17, 7.34, 7.42, 7.53, 7.67, 7.8, 7.94, 7.96, 8.09, 8.24, 8.3, 10.84, 11.23, 12.56, 12.61, 13.96, 14.65,
            14.88]
     assert 8.3e6 < bench.speed_regimes([x * 1e6 for x in two]) < 10.84e6
+
+
+def test_the_placement_of_the_two_cpus_is_reported_and_split():
+    """The footer says where the host had put the two CPUs (one line's trip, probed before each measurement), and
+    when the probes fall into two placements, how many measurements each preceded; one CPU for both sides (no
+    probe) prints nothing. Near and far are split at the geometric mean of the 10th and 90th percentiles, only
+    when those are 2x apart."""
+    assert bench.placement_threshold([40.0, 45.0, 50.0, 60.0, 70.0]) is None
+    assert bench.placement_threshold([40.0, None, 200.0]) is None
+    assert abs(bench.placement_threshold([40.0] * 5 + [200.0] * 5) - 89.4427) < 1e-3
+    cfg = {"device_cpu": 0, "driver_cpu": 1}
+    two = bench._placement_lines({"config": cfg, "placement": {"probes_ns": [40.0, 45.0, 210.0, 200.0, 205.0],
+                                                               "threshold_ns": 90.0}})
+    assert two and "CPU 0 -> CPU 1 took 40-210 ns (median 200)" in two[0] and "near (< 90 ns) before 2, far before 3" in two[0]
+    one = bench._placement_lines({"config": cfg, "placement": {"probes_ns": [40.0, 45.0], "threshold_ns": None}})
+    assert one and "moved" not in one[0]
+    assert bench._placement_lines({"config": cfg, "placement": {"probes_ns": [None, None], "threshold_ns": None}}) == []
+    assert bench._placement_lines({"config": cfg}) == []

@@ -1077,6 +1077,31 @@ def _pkey(p):
     return (p["group"], p["variant"], p["path"], p["pkt_size"], p["offered_pps"], p["mode"], p["pair"])
 
 
+def placement_threshold(probes):
+    """The line-transfer time (ns, rings.affinity.line_transfer_ns) that splits near placements of the two CPUs
+    from far ones, or None when the probes show one placement only: their 10th and 90th percentiles at least 2x
+    apart (this VM: ~35-50 ns against ~200-240 ns), split at the geometric mean of the two."""
+    probes = [x for x in probes if x is not None]
+    if len(probes) < 4:
+        return None
+    q = statistics.quantiles(probes, n=10, method="inclusive")
+    lo, hi = q[0], q[-1]
+    return math.sqrt(lo * hi) if hi >= 2 * lo else None
+
+
+def probe_placement(cfg):
+    """How long one cache line takes from the device's CPU to the driver's, in ns, measured while neither side
+    runs; None when both sides share one CPU or the probe could not run (never fatal: it only labels)."""
+    if cfg.device_cpu == cfg.driver_cpu:
+        return None
+    from rings.affinity import line_transfer_ns
+    from rings.errors import VringError
+    try:
+        return round(line_transfer_ns(cfg.device_cpu, cfg.driver_cpu), 1)
+    except VringError:
+        return None
+
+
 def run_bench(cfg: BenchConfig, progress=None, on_record=None):
     """Every measurement in ``cfg.points()`` order; returns the JSON-able result. ``progress(**kw)`` is called
     often with the state of the current measurement; ``on_record(rec)`` after each one."""
@@ -1085,12 +1110,16 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
     records, errors = [], []
     interrupted = False
     todo = list(cfg.points())
+    probes = []   # where the host had put the two CPUs before each measurement (probe_placement)
     for k, point in enumerate(todo):
         def prog(**kw):
             if progress:
                 progress(index=k, count=len(todo), point=point, **kw)
+        line_ns = probe_placement(cfg)
+        probes.append(line_ns)
         try:
             rec = Measurement(cfg, point, prog).run()
+            rec["line_ns_before"] = line_ns
         except KeyboardInterrupt:   # Ctrl-C / SIGTERM: that measurement is cleaned up; report what is done
             interrupted = True
             break
@@ -1125,6 +1154,7 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
                                 "idle interval; other_on_pinned flags noise",
                          "loss_check": "injected == in flight (driver Tx not dequeued + device pending + enqueued "
                                        "not received + held by the driver) + lost (all drop counters)"},
+              "placement": {"probes_ns": probes, "threshold_ns": placement_threshold(probes)},
               "interrupted": interrupted, "points": aggregate(cfg, records), "runs": records, "errors": errors}
     if cfg.study:
         from vring import studies
@@ -1224,6 +1254,26 @@ def _regime_lines(pts, rates):
     return lines
 
 
+def _placement_lines(result):
+    """Where the host had put the two CPUs: one cache line's trip between them before each measurement. On a shared
+    VM it switches between near and far every few seconds, and a pair that moves more lines per packet loses more
+    when far: rates measured in different placements compare the machine, not the pairs."""
+    pl = result.get("placement") or {}
+    probes = [x for x in pl.get("probes_ns") or [] if x is not None]
+    if not probes:
+        return []
+    cfg = result.get("config") or {}
+    where = f"CPU {cfg.get('device_cpu')} -> CPU {cfg.get('driver_cpu')}"
+    t = pl.get("threshold_ns")
+    line = (f"placement: one cache line {where} took {min(probes):.0f}-{max(probes):.0f} ns (median "
+            f"{statistics.median(probes):.0f}) before the {len(probes)} measurements")
+    if t is not None:
+        far = sum(x >= t for x in probes)
+        line += (f"; the host moved the CPUs: near (< {t:.0f} ns) before {len(probes) - far}, far before {far} "
+                 f"(runs[].line_ns_before; benchmarks/interleaved.py compares within each)")
+    return [line]
+
+
 def _footer(result):
     pts = result["points"]
     lines = []
@@ -1234,6 +1284,7 @@ def _footer(result):
                     if any((p.get("cpu") or {}).get("idle_device") is not None for p in pts) else ""))
     if any(p.get("noisy") for p in pts):
         lines.append(f"noisy: other work used more than {NOISY:.0%} of the pinned CPUs during the window")
+    lines += _placement_lines(result)
     for e in result.get("errors", []):
         first = e["error"].splitlines()[0] if e["error"] else ""
         what = " ".join(str(x) for x in (e.get("group"), e.get("variant")) if x)
