@@ -279,8 +279,8 @@ class Pair:
         if keep and cpus[0] != cpus[1]:   # every pair stopped: both CPUs free
             try:
                 probe = line_transfer_ns(*cpus)
-            except VringError as e:
-                raise Failure(f"the line probe before {self.name}'s slice: {e}") from e
+            except VringError:   # a CPU held by something else: this slice gets no label, the run goes on
+                pass
         _signal(self.pids, signal.SIGCONT)
         self.device.clear()
         n0, t0 = self.device.count()
@@ -342,15 +342,16 @@ def summary(pairs, rounds=None):
 
 def by_placement(pairs):
     """The rounds split by where the host had put the two CPUs (line_transfer_ns before each slice): {"threshold_ns",
-    "probes_ns", "near": [round indices], "far": [...], "mixed": [...]} (a mixed round's slices saw both); the
-    lists are empty and the threshold None when the probes show one placement only."""
+    "probes_ns", "near": [round indices], "far": [...], "mixed": [...]}. A mixed round's slices saw both, or one had
+    no probe (None: its CPUs were not free). The lists are empty and the threshold None when the probes show one
+    placement only."""
     probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in pairs]
-    t = placement_threshold(probes) if None not in probes else None   # None: one CPU for both sides
+    t = placement_threshold(probes)   # probes of None (no label) left out
     out = {"threshold_ns": t, "probes_ns": probes, "near": [], "far": [], "mixed": []}
     if t is not None:
         for r in range(len(pairs[0].rates)):
-            near = {p.probes[r] < t for p in pairs}
-            out["mixed" if len(near) > 1 else "near" if near == {True} else "far"].append(r)
+            near = {None if p.probes[r] is None else p.probes[r] < t for p in pairs}
+            out["mixed" if len(near) > 1 or None in near else "near" if near == {True} else "far"].append(r)
     return out
 
 
@@ -470,12 +471,15 @@ def main():
     print_table(out["variants"], args.instances, w, pairs[0].name)
     split = out["placement"] = by_placement(pairs)
     t = split["threshold_ns"]
-    if None not in split["probes_ns"]:
+    labelled = [x for x in split["probes_ns"] if x is not None]
+    if labelled:
         print(f"\none cache line CPU {args.cpus[0]} -> CPU {args.cpus[1]}, before each slice: median "
-              f"{statistics.median(split['probes_ns']):.0f} ns, " + (
+              f"{statistics.median(labelled):.0f} ns, " + (
                   "one placement" if t is None else
                   f"two placements: near (< {t:.0f} ns) in {len(split['near'])} rounds, far in {len(split['far'])}, "
-                  f"both in {len(split['mixed'])}"))
+                  f"both in {len(split['mixed'])}")
+              + (f" ({len(split['probes_ns']) - len(labelled)} slices unlabelled: a CPU was not free)"
+                 if len(labelled) < len(split["probes_ns"]) else ""))
     for where in ("near", "far"):
         if split[where]:
             out[where] = summary(pairs, split[where])

@@ -150,8 +150,10 @@ def test_a_signal_mid_run_continues_and_stops_every_pair(tmp_path, sig):
         if p.poll() is None:
             p.kill()
             p.wait()
-    assert p.returncode == 1 and "interrupted" in err and "Traceback" not in err
-    _assert_clean(tmp_path)
+    try:
+        assert p.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    finally:   # whatever failed above, what the tool left behind is reported and stopped
+        _assert_clean(tmp_path)
 
 
 def _cpus_of(pid):
@@ -372,7 +374,7 @@ def test_instances_are_averaged_per_round_and_reported_each():
 def test_rounds_are_split_by_where_the_two_cpus_were():
     """The placement split: one placement when the probes stay within 2x of each other; else the threshold at the
     geometric mean of the 10th and 90th percentiles, and a round is near or far only when every slice of it saw
-    the same placement (a round whose slices saw both is neither)."""
+    the same placement (a round whose slices saw both, or one with no probe, is neither)."""
     m = _tool()
     assert m.placement_threshold([40.0, 45.0, 50.0, 60.0, 70.0]) is None
     assert m.placement_threshold([40.0, 200.0]) is None   # too few to say
@@ -382,6 +384,10 @@ def test_rounds_are_split_by_where_the_two_cpus_were():
     b = _P("ours", [1.0] * 4, probes=[42.0, 205.0, 190.0, 220.0])
     split = m.by_placement([a, b])
     assert (split["near"], split["far"], split["mixed"]) == ([0], [1, 3], [2])
+    # a slice whose probe could not run (a CPU held by something else) has no label: its round is neither
+    c = _P("ours2", [1.0] * 4, probes=[41.0, None, 44.0, 215.0])
+    split = m.by_placement([a, c])
+    assert (split["near"], split["far"], split["mixed"]) == ([0], [3], [1, 2])
     flat = m.by_placement([_P("x", [1.0] * 4, probes=[40.0, 41.0, 42.0, 43.0])])
     assert flat["threshold_ns"] is None and flat["near"] == flat["far"] == flat["mixed"] == []
 

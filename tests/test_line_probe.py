@@ -66,3 +66,28 @@ def test_what_cannot_be_measured_is_refused(args, says):
 
 def test_the_refusals_are_vring_errors():
     assert issubclass(ConfigError, VringError)
+
+
+@two_cpus
+def test_a_busy_partner_cpu_ends_the_probe_in_bounded_time():
+    """The partner's CPU held by a process spinning there (another benchmark's pair, say): the probe returns within
+    a few seconds, a number or VringError, never hangs, and the caller's CPU set is back. (With a real-time task on
+    that CPU the partner may never run: it is then left detached and frees its state itself; probe.h.)"""
+    import subprocess
+    import sys
+    import time
+    spin = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{CPUS[-1]}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.2)
+        before = os.sched_getaffinity(0)
+        t0 = time.monotonic()
+        try:
+            ns = line_transfer_ns(CPUS[0], CPUS[-1], seconds=0.02)
+            assert ns > 0
+        except VringError as e:
+            assert "never answered" in str(e)
+        assert time.monotonic() - t0 < 5
+        assert os.sched_getaffinity(0) == before
+    finally:
+        spin.kill()
+        spin.wait()

@@ -22,8 +22,17 @@ struct probe_line {
     char pad[56];
     volatile int stop __attribute__((aligned(64)));        /* another line: the partner's exit */
     int cpu, pinned;
+    int released;           /* set (atomically) by the first of caller and partner to let go: the second frees */
     uint64_t deadline_ns;
 };
+
+/* The caller and the partner each let go of p once; whichever comes second frees it. A partner that never got its
+ * CPU (a real-time task holding it) is left behind, detached, and frees p itself when it finally runs. */
+static inline void probe_release(struct probe_line *p)
+{
+    if (__atomic_exchange_n(&p->released, 1, __ATOMIC_ACQ_REL))
+        free(p);
+}
 
 static inline uint64_t probe_now_ns(void)
 {
@@ -56,6 +65,7 @@ static void *probe_partner(void *arg)
             break;
         }
     }
+    probe_release(p);
     return NULL;
 }
 
@@ -84,6 +94,7 @@ static inline double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budge
     p->stop = 0;
     p->cpu = cpu_b;
     p->pinned = 0;
+    p->released = 0;
     p->deadline_ns = probe_now_ns() + budget_ns + 1000000000u;
     if (pthread_getaffinity_np(self, sizeof saved, &saved) || probe_pin(self, cpu_a)) {
         free(p);
@@ -119,11 +130,19 @@ static inline double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budge
         r[s] = trips ? (double)(t - t0) / (double)trips / 2 : 0;
     }
     p->stop = 1;
-    pthread_join(th, NULL);
-    pthread_setaffinity_np(self, sizeof saved, &saved);
     if (rc == 0 && p->pinned < 0)
         rc = -1;
-    free(p);
+    /* a bounded wait for the partner: one that never ran is detached, not waited for forever */
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 1;
+    if (pthread_timedjoin_np(th, NULL, &until)) {
+        pthread_detach(th);
+        if (rc == 0)
+            rc = -2;
+    }
+    pthread_setaffinity_np(self, sizeof saved, &saved);
+    probe_release(p);
     if (rc)
         return rc;
     qsort(r, PROBE_SAMPLES, sizeof r[0], probe_cmp);
