@@ -79,6 +79,26 @@ def _signal(pids, sig):
             pass
 
 
+def _wait_stopped(pids, timeout=2.0):
+    """SIGSTOP takes effect when a thread next runs: until then it may still hold a CPU, and the line probe that
+    follows would measure it. Wait (bounded) until every thread of every process is stopped, or gone."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            while time.monotonic() < deadline:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t", "Z", "X"):
+                            break
+                except OSError:
+                    break
+                time.sleep(0.001)
+
+
 def _stop(proc):
     """SIGINT, as Ctrl-C would, then SIGKILL after 10 s."""
     proc.send_signal(signal.SIGINT)
@@ -279,8 +299,8 @@ class Pair:
         if keep and cpus[0] != cpus[1]:   # every pair stopped: both CPUs free
             try:
                 probe = line_transfer_ns(*cpus)
-            except VringError:   # a CPU held by something else: this slice gets no label, the run goes on
-                pass
+            except VringError as e:   # it only labels the slice: a busy moment must not cost the run
+                print(f"interleaved: no line probe before {self.name}'s slice: {e}", file=sys.stderr)
         _signal(self.pids, signal.SIGCONT)
         self.device.clear()
         n0, t0 = self.device.count()
@@ -291,6 +311,7 @@ class Pair:
             n1, t1 = self.device.count()
         d = self.device.dequeues()
         _signal(self.pids, signal.SIGSTOP)
+        _wait_stopped(self.pids)
         self.check()
         if n1 <= n0:  # no rate to compare (and none to divide by)
             raise Failure(f"{self.name}: the device received nothing in {seconds + 2} s")
@@ -333,6 +354,7 @@ def summary(pairs, rounds=None):
         out[name] = {"rates": rates, "ratio_median": statistics.median(ratios),
                      "ratio_q1": q[0], "ratio_q3": q[2],
                      "instance_rates": [statistics.median(p.rates[r] for r in keep) for p in group],
+                     "instance_slices": [[p.rates[r] for r in keep] for p in group],   # every slice (--json)
                      "empty_dequeue_share": None if e is None else e[0],
                      "dequeues_per_32": None if e is None else e[1],
                      "device_cycles_per_packet": None if e is None else e[2],
@@ -346,12 +368,12 @@ def by_placement(pairs):
     no probe (None: its CPUs were not free). The lists are empty and the threshold None when the probes show one
     placement only."""
     probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in pairs]
-    t = placement_threshold(probes)   # probes of None (no label) left out
+    t = placement_threshold(probes)   # None: one placement, or no probes (one CPU for both sides)
     out = {"threshold_ns": t, "probes_ns": probes, "near": [], "far": [], "mixed": []}
     if t is not None:
         for r in range(len(pairs[0].rates)):
-            near = {None if p.probes[r] is None else p.probes[r] < t for p in pairs}
-            out["mixed" if len(near) > 1 or None in near else "near" if near == {True} else "far"].append(r)
+            near = {None if p.probes[r] is None else p.probes[r] < t for p in pairs}   # None: not probed
+            out["near" if near == {True} else "far" if near == {False} else "mixed"].append(r)
     return out
 
 
@@ -427,6 +449,9 @@ def main():
 
     # SIGTERM ends the run as Ctrl-C does: through the clean-up below (no stopped testpmd left behind)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # and so does SIGINT, even when this process was started with it ignored (a CI run in the background: Python
+    # then keeps it ignored, and a SIGINT left every pair running until killed)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     workdir = tempfile.mkdtemp(prefix="vring-interleaved-")
     pairs = []
     try:
@@ -438,6 +463,7 @@ def main():
             time.sleep(args.warmup)
             pair.check()
             _signal(pair.pids, signal.SIGSTOP)
+            _wait_stopped(pair.pids)
         # round 0 is not counted: a pair continued for the first time after its warm-up ran far below its rate
         # (attack54: 0.03-0.4 Mpps against 2-4.6 in later rounds with --warmup 0.2)
         for r in range(args.rounds + 1):

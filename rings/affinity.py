@@ -1,5 +1,8 @@
 """CPU pinning of a whole process (`vring driver --pin`, `vring vhost --pin`), and what a cache line costs to
 move between two CPUs."""
+import math
+import numbers
+import operator
 import os
 
 
@@ -37,14 +40,24 @@ def line_transfer_ns(cpu_a, cpu_b, seconds=0.02):
     from rings.errors import ConfigError, VringError
     from rings._virtq import lib
 
+    cpus = []
     for cpu in (cpu_a, cpu_b):
-        if not isinstance(cpu, int) or not 0 <= cpu < 1024:   # glibc's CPU_SETSIZE
+        # a plain int from here on (numpy's too); a bool is not a CPU number, nor an int subclass's own == or <
+        n = operator.index(cpu) if isinstance(cpu, numbers.Integral) and not isinstance(cpu, bool) else None
+        if n is None or not 0 <= n < 1024:   # glibc's CPU_SETSIZE
             raise ConfigError(f"line_transfer_ns: {cpu!r} is not a CPU number")
+        cpus.append(n)
+    cpu_a, cpu_b = cpus
     if cpu_a == cpu_b:
         raise ConfigError(f"line_transfer_ns: two different CPUs needed, got {cpu_a} twice")
-    if not 0 < seconds <= 10:
+    allowed = os.sched_getaffinity(os.getpid())   # the process's set (its main thread's: taskset's), not this thread's
+    if not {cpu_a, cpu_b} <= allowed:
+        raise ConfigError(f"line_transfer_ns: could not run a thread on CPU {cpu_a} and one on CPU {cpu_b}: this "
+                          f"process may run on {sorted(allowed)} only")
+    s = float(seconds) if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool) else math.nan
+    if not 0 < s <= 10:
         raise ConfigError(f"line_transfer_ns: seconds {seconds!r} outside (0, 10]")
-    ns = lib.probe_line_transfer_ns(cpu_a, cpu_b, int(seconds * 1e9))
+    ns = lib.probe_line_transfer_ns(cpu_a, cpu_b, max(1, round(s * 1e9)))
     if ns == -1:
         raise ConfigError(f"line_transfer_ns: could not run a thread on CPU {cpu_a} and one on CPU {cpu_b} "
                           f"(not CPUs this process may run on?)")

@@ -220,7 +220,8 @@ def _rounds(samples, slice_s):
     for k in sorted({k for _, running, _ in samples for k in running}):
         merged = []
         for i, j in _stretches(samples, lambda s: k in s[1]):
-            if merged and samples[i][0] - samples[merged[-1][1]][0] < slice_s:
+            # no other pair seen running in between: whatever the gap (the line probe, a busy machine)
+            if merged and not any(s[1] - {k} for s in samples[merged[-1][1] + 1:i]):
                 merged[-1] = (merged[-1][0], j)
             else:
                 merged.append((i, j))
@@ -387,7 +388,7 @@ def test_rounds_are_split_by_where_the_two_cpus_were():
     # a slice whose probe could not run (a CPU held by something else) has no label: its round is neither
     c = _P("ours2", [1.0] * 4, probes=[41.0, None, 44.0, 215.0])
     split = m.by_placement([a, c])
-    assert (split["near"], split["far"], split["mixed"]) == ([0], [3], [1, 2])
+    assert (split["near"], split["far"], split["mixed"]) == ([0, 2], [3], [1])
     flat = m.by_placement([_P("x", [1.0] * 4, probes=[40.0, 41.0, 42.0, 43.0])])
     assert flat["threshold_ns"] is None and flat["near"] == flat["far"] == flat["mixed"] == []
 
@@ -401,3 +402,128 @@ def test_a_run_prints_where_the_cpus_were(tmp_path):
     out = json.load(open(tmp_path / "r.json"))
     assert len(out["placement"]["probes_ns"]) == 2 * 2 and all(x > 0 for x in out["placement"]["probes_ns"])
     assert len(out["variants"]["ours"]["instance_rates"]) == 2
+
+
+# --- attack-61 additions --------------------------------------------------------------------------------------
+
+_PROBE_SHIM = '''
+import itertools, os, json
+import rings.affinity as a
+from rings.errors import VringError
+_real, _n, _log = a.line_transfer_ns, itertools.count(), os.environ["PROBE_SHIM_LOG"]
+def _children():
+    me, out = os.getpid(), {}
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[1]) == me:
+                out[int(pid)] = rest[0]
+    return out
+def shim(cpu_a, cpu_b, seconds=0.02):
+    n = next(_n)
+    states = _children()
+    if n == int(os.environ.get("PROBE_SHIM_FAIL", "-1")):
+        ns = None
+    else:
+        _real(cpu_a, cpu_b, seconds)
+        ns = 1000.0 + n   # recognisable: the JSON must carry exactly these
+    with open(_log, "a") as f:
+        f.write(json.dumps({"n": n, "cpus": [cpu_a, cpu_b], "states": states, "ns": ns}) + "\\n")
+    if ns is None:
+        raise VringError("line_transfer_ns: CPU 1 never answered (the shim)")
+    return ns
+a.line_transfer_ns = shim
+'''
+
+
+def _shimmed(tmp_path, fail=-1):
+    d = tmp_path / "shim"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(_PROBE_SHIM)
+    log = tmp_path / "probes.jsonl"
+    env = {**_env(tmp_path), "PYTHONPATH": os.pathsep.join([str(d), ROOT]), "PROBE_SHIM_LOG": str(log),
+           "PROBE_SHIM_FAIL": str(fail)}
+    return env, log
+
+
+def test_each_probe_runs_with_every_pair_stopped_and_labels_its_slice(tmp_path):
+    """The probe comes before SIGCONT (every process of every pair stopped), on --cpus, and what it returned is what
+    the JSON holds (kills: the probe moved after SIGCONT, a constant instead of the probe, the CPUs swapped)."""
+    if len(CPUS) < 2:
+        pytest.skip("needs two CPUs")
+    env, log = _shimmed(tmp_path)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, TOOL, *SHORT, "--variants", "ours;ours --tx-publish 8", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    _assert_clean(tmp_path)
+    assert r.returncode == 0, r.stderr
+    calls = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(calls) == 2 * 2
+    for c in calls:
+        assert c["cpus"] == [CPUS[0], CPUS[-1]]
+        assert len(c["states"]) == 4 and set(c["states"].values()) == {"T"}, c
+    assert sorted(json.loads(out.read_text())["placement"]["probes_ns"]) == sorted(c["ns"] for c in calls)
+
+
+def test_a_probe_that_fails_costs_its_label_not_the_run(tmp_path):
+    env, log = _shimmed(tmp_path, fail=1)
+    out = tmp_path / "r.json"
+    r = subprocess.run([sys.executable, TOOL, *SHORT, "--variants", "ours", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    _assert_clean(tmp_path)
+    assert r.returncode == 0 and "no line probe before ours's slice" in r.stderr, r.stderr
+    assert json.loads(out.read_text())["placement"]["probes_ns"] == [1000.0, None]
+
+
+def test_one_cpu_for_both_sides_runs_without_a_probe(tmp_path):
+    out = tmp_path / "r.json"
+    args = [a for a in SHORT if a not in ("--cpus", CPU_ARG)] + ["--cpus", f"{CPUS[0]},{CPUS[0]}"]
+    r = _run(tmp_path, *args, "--variants", "ours", "--json", str(out))
+    _assert_clean(tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr and "line probe" not in r.stderr, r.stderr
+    assert "one cache line" not in r.stdout and "rounds only" not in r.stdout
+    assert json.loads(out.read_text())["placement"] == {"threshold_ns": None, "probes_ns": [None, None], "near": [],
+                                                        "far": [], "mixed": []}
+
+
+def test_sigint_ends_the_run_even_when_started_ignoring_it(tmp_path):
+    """A CI run started in the background (`cmd &`) gives its children SIGINT ignored; Python then installs no
+    handler, and the SIGINT of test_a_signal_mid_run_continue_and_stops_every_pair left every pair running."""
+    import signal as sg
+    p = subprocess.Popen([sys.executable, TOOL, *SHORT[:-8], "--rounds", "1000", "--slice", "0.2", "--warmup", "0.5",
+                          "--cpus", CPU_ARG, "--variants", "ours"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_env(tmp_path), preexec_fn=lambda: sg.signal(sg.SIGINT, sg.SIG_IGN))
+    try:
+        deadline = time.monotonic() + 60
+        while len(_ours_under(tmp_path)) < 2:
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)
+        p.send_signal(sg.SIGINT)
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.send_signal(sg.SIGTERM)   # the tool's own clean-up first, then the hard way
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        _assert_clean(tmp_path)
+    assert p.returncode == 1 and "interrupted" in err
+
+
+def test_instances_mean_not_median_and_placement_needs_two_probes_a_side():
+    m = _tool()
+    pairs = [_P("a", [10.0, 10.0]), _P("b", [10.0, 10.0]), _P("a", [10.0, 10.0]), _P("b", [10.0, 10.0]),
+             _P("a", [10.0, 10.0]), _P("b", [40.0, 70.0])]
+    s = m.summary(pairs)
+    assert s["b"]["rates"] == [20.0, 30.0]   # means of (10, 10, 40) and (10, 10, 70); the medians would be 10, 10
+    assert m.placement_threshold([40.0] * 19 + [400.0]) is None      # one outlier is not a placement (min/max: it was)
+    assert m.placement_threshold([50.0] * 7 + [400.0]) is None       # nor with fewer than 10 probes
+    assert m.placement_threshold([40.0] * 8 + [100.0] * 8) is not None   # 2.5x apart: two
+    assert m.placement_threshold([40.0] * 5 + [80.0] * 5) is not None    # exactly 2x: two

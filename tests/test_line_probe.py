@@ -91,3 +91,59 @@ def test_a_busy_partner_cpu_ends_the_probe_in_bounded_time():
     finally:
         spin.kill()
         spin.wait()
+# --- attack-61 additions --------------------------------------------------------------------------------------
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("args", [(True, False), (0, 1, True), (0, 1, "0.01"), (0, 1, None), (0, 1, 1j)])
+def test_what_is_not_a_number_is_refused_typed(args):
+    with pytest.raises(ConfigError):
+        line_transfer_ns(*args)
+
+
+class _NeverEqual(int):
+    def __eq__(self, other):
+        return False
+
+    __hash__ = int.__hash__
+
+
+def test_an_int_subclass_cannot_slip_two_equal_cpus_through():
+    with pytest.raises(ConfigError, match="two different CPUs"):
+        line_transfer_ns(_NeverEqual(0), _NeverEqual(0))
+
+
+@two_cpus
+def test_numpy_cpus_and_a_tiny_time_are_measured():
+    np = pytest.importorskip("numpy")
+    assert line_transfer_ns(np.int64(CPUS[0]), np.int32(CPUS[-1]), seconds=1e-10) > 0
+
+
+def _in_child(prefix, code, timeout=30):
+    return subprocess.run([*prefix, sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+
+
+_PROBE = ("import time\nfrom rings.affinity import line_transfer_ns\nt = time.monotonic()\n"
+          "try:\n    print(line_transfer_ns({a}, {b}, 0.01), time.monotonic() - t)\n"
+          "except Exception as e:\n    print(type(e).__name__, e, time.monotonic() - t)\n")
+
+
+@two_cpus
+@pytest.mark.skipif(not shutil.which("taskset"), reason="no taskset")
+def test_a_process_restricted_with_taskset_is_refused_the_other_cpu():
+    r = _in_child(["taskset", "-c", str(CPUS[0])], _PROBE.format(a=CPUS[0], b=CPUS[-1]))
+    assert r.stdout.startswith("ConfigError"), r.stdout + r.stderr
+
+
+@two_cpus
+@pytest.mark.skipif(not shutil.which("chrt") or os.geteuid() != 0, reason="needs chrt and root")
+def test_a_real_time_caller_is_measured():
+    """The partner used to start on cpu_a, where a SCHED_FIFO caller spins without yielding: never answered."""
+    r = _in_child(["chrt", "-f", "1"], _PROBE.format(a=CPUS[0], b=CPUS[-1]))
+    ns, took = r.stdout.split()
+    assert float(ns) > 0 and float(took) < 0.9, r.stdout + r.stderr

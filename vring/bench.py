@@ -1086,7 +1086,13 @@ def placement_threshold(probes):
         return None
     q = statistics.quantiles(probes, n=10, method="inclusive")
     lo, hi = q[0], q[-1]
-    return math.sqrt(lo * hi) if hi >= 2 * lo else None
+    if hi < 2 * lo:
+        return None
+    # with fewer than ~11 probes the inclusive percentiles lean on the extremes: one disturbed probe made a
+    # "placement"; each side needs 2 probes (and 10 %) of its own
+    t, k = math.sqrt(lo * hi), max(2, len(probes) // 10)
+    near = sum(x < t for x in probes)
+    return t if near >= k and len(probes) - near >= k else None
 
 
 def probe_placement(cfg):

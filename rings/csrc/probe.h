@@ -21,16 +21,14 @@ struct probe_line {
     volatile uint64_t flag __attribute__((aligned(64)));   /* the line that moves */
     char pad[56];
     volatile int stop __attribute__((aligned(64)));        /* another line: the partner's exit */
-    int cpu, pinned;
-    int released;           /* set (atomically) by the first of caller and partner to let go: the second frees */
+    volatile int ready;                                     /* the partner runs (on cpu_b: born there) */
+    int owners;                                             /* the caller and the partner: the last out frees */
     uint64_t deadline_ns;
 };
 
-/* The caller and the partner each let go of p once; whichever comes second frees it. A partner that never got its
- * CPU (a real-time task holding it) is left behind, detached, and frees p itself when it finally runs. */
-static inline void probe_release(struct probe_line *p)
+static void probe_release(struct probe_line *p)
 {
-    if (__atomic_exchange_n(&p->released, 1, __ATOMIC_ACQ_REL))
+    if (__atomic_sub_fetch(&p->owners, 1, __ATOMIC_ACQ_REL) == 0)
         free(p);
 }
 
@@ -54,7 +52,7 @@ static inline int probe_pin(pthread_t th, int cpu)
 static void *probe_partner(void *arg)
 {
     struct probe_line *p = arg;
-    p->pinned = probe_pin(pthread_self(), p->cpu) == 0 ? 1 : -1;
+    p->ready = 1;
     uint64_t want = 1;
     uint32_t k = 0;
     while (!p->stop) {
@@ -65,7 +63,7 @@ static void *probe_partner(void *arg)
             break;
         }
     }
-    probe_release(p);
+    probe_release(p);   /* after this, p may be gone: a caller that gave up on joining left it to us */
     return NULL;
 }
 
@@ -81,30 +79,54 @@ static int probe_cmp(const void *a, const void *b)
  * (its CPU taken by something that does not let go). */
 static inline double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budget_ns)
 {
-    cpu_set_t saved;
+    cpu_set_t saved, on_b;
     pthread_t self = pthread_self(), th;
+    pthread_attr_t attr;
+    struct sched_param prio = {0};
+    struct timespec until;
     struct probe_line *p;
     double r[PROBE_SAMPLES];
-    int rc = 0;
-    if (cpu_a < 0 || cpu_b < 0 || cpu_a >= CPU_SETSIZE || cpu_b >= CPU_SETSIZE || budget_ns == 0)
+    int rc = 0, policy;
+    if (cpu_a < 0 || cpu_b < 0 || cpu_a >= CPU_SETSIZE || cpu_b >= CPU_SETSIZE || cpu_a == cpu_b || budget_ns == 0)
         return -1;
     if (posix_memalign((void **)&p, 64, sizeof *p))
         return -1;
     p->flag = 0;
     p->stop = 0;
-    p->cpu = cpu_b;
-    p->pinned = 0;
-    p->released = 0;
+    p->ready = 0;
+    p->owners = 2;
     p->deadline_ns = probe_now_ns() + budget_ns + 1000000000u;
-    if (pthread_getaffinity_np(self, sizeof saved, &saved) || probe_pin(self, cpu_a)) {
+    CPU_ZERO(&on_b);
+    CPU_SET(cpu_b, &on_b);
+    /* The partner is born on cpu_b (it used to start on cpu_a, where the caller spins: 3-5 ms lost in the first
+     * sample, and never with a SCHED_FIFO caller), and as an ordinary thread whatever the caller's policy (a
+     * real-time partner could be kept from ever seeing `stop` by a real-time task on cpu_b). */
+    if (pthread_attr_init(&attr)) {
         free(p);
         return -1;
     }
-    if (pthread_create(&th, NULL, probe_partner, p)) {
+    if (pthread_attr_setaffinity_np(&attr, sizeof on_b, &on_b)
+        || (pthread_getschedparam(self, &policy, &prio) == 0 && (policy == SCHED_FIFO || policy == SCHED_RR)
+            && (prio.sched_priority = 0, pthread_attr_setinheritsched(&attr, PTHREAD_EXPLICIT_SCHED)
+                || pthread_attr_setschedpolicy(&attr, SCHED_OTHER) || pthread_attr_setschedparam(&attr, &prio)))
+        || pthread_getaffinity_np(self, sizeof saved, &saved) || probe_pin(self, cpu_a)) {
+        pthread_attr_destroy(&attr);
+        free(p);
+        return -1;
+    }
+    if (pthread_create(&th, &attr, probe_partner, p)) {   /* EINVAL: cpu_b not ours */
+        pthread_attr_destroy(&attr);
         pthread_setaffinity_np(self, sizeof saved, &saved);
         free(p);
         return -1;
     }
+    pthread_attr_destroy(&attr);
+    /* the clock starts once the partner runs */
+    for (uint32_t k = 0; !p->ready; )
+        if (!(++k % 4096) && probe_now_ns() > p->deadline_ns) {
+            rc = -2;
+            break;
+        }
     uint64_t v = 0, slice = budget_ns / PROBE_SAMPLES;
     for (int s = 0; s < PROBE_SAMPLES && rc == 0; s++) {
         uint64_t t0 = probe_now_ns(), t = t0, trips = 0;
@@ -113,8 +135,8 @@ static inline double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budge
                 p->flag = v + 1;
                 uint32_t k = 0;
                 while (p->flag != v + 2) {
-                    if (!(++k % 4096) && (p->pinned < 0 || probe_now_ns() > p->deadline_ns)) {
-                        rc = p->pinned < 0 ? -1 : -2;
+                    if (!(++k % 4096) && probe_now_ns() > p->deadline_ns) {
+                        rc = -2;
                         break;
                     }
                 }
@@ -130,10 +152,7 @@ static inline double probe_line_transfer_ns(int cpu_a, int cpu_b, uint64_t budge
         r[s] = trips ? (double)(t - t0) / (double)trips / 2 : 0;
     }
     p->stop = 1;
-    if (rc == 0 && p->pinned < 0)
-        rc = -1;
-    /* a bounded wait for the partner: one that never ran is detached, not waited for forever */
-    struct timespec until;
+    /* a partner that cannot get cpu_b (a real-time task there) cannot end: wait for it 1 s, then leave it p */
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 1;
     if (pthread_timedjoin_np(th, NULL, &until)) {
