@@ -21,6 +21,7 @@ BASE, MEMSIZE = 0x40000, 0x40000
 JUNK = BASE + 0x20000     # an indirect "table" of random entries
 TABLE = BASE + 0x28000    # valid tables of `size` and `1 + size // 2` entries (split: linked 0 -> 1 -> ...)
 TABLE2 = BASE + 0x29000
+PAIRS = BASE + 0x2A000    # split: a two-entry table per head (a header and a frame, as a driver's Tx without headroom)
 DATA = BASE + 0x30000
 NEXT, WRITE, INDIRECT = VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, VIRTQ_DESC_F_INDIRECT
 FLAGS = [NEXT, NEXT | WRITE, 0, WRITE, INDIRECT, INDIRECT | NEXT]
@@ -111,6 +112,25 @@ def step(s, data):
             s.slot += 2
             if s.slot >= size:
                 s.slot, s.wrap = s.slot - size, s.wrap ^ 1
+        elif data.draw(st.integers(0, 2)) == 0:   # split: one ring descriptor, a table of two (vq_dev_pairs_split)
+            head = data.draw(st.integers(0, size - 1))
+            table = PAIRS + 32 * head
+            # well formed, or exactly one defect, so that each check of the general walk meets the fast path alone
+            bad = "" if good else data.draw(st.sampled_from(
+                ["len", "outside", "desc_flags", "e0_last", "e0_nested", "e0_next", "e1_next", "e1_nested",
+                 "e1_outside", "order"]))
+            if bad == "order":
+                w0, w1 = WRITE, 0
+            f0 = {"e0_last": w0, "e0_nested": INDIRECT | NEXT | w0}.get(bad, NEXT | w0)
+            f1 = {"e1_next": NEXT | w1, "e1_nested": INDIRECT | w1}.get(bad, w1)
+            s.put(table, "<QIHH", DATA, 64, f0, data.draw(st.sampled_from([0, 2, 0xFFFF])) if bad == "e0_next" else 1)
+            s.put(table + 16, "<QIHH", BASE + MEMSIZE - 32 if bad == "e1_outside" else DATA + 64, 64, f1,
+                  data.draw(st.sampled_from([0, 1])))
+            s.desc(head, BASE + MEMSIZE - 16 if bad == "outside" else table,
+                   data.draw(st.sampled_from([16, 48, 0, 17])) if bad == "len" else 32,
+                   INDIRECT | (data.draw(st.sampled_from([WRITE, NEXT])) if bad == "desc_flags" else 0),
+                   data.draw(st.integers(0, size)))
+            s.offer(head)
         else:
             head = data.draw(st.integers(0, size - 1))
             nxt = data.draw(st.integers(0, size - 1 if good else size))

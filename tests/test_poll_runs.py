@@ -189,3 +189,26 @@ def test_split_v_14_split_d_13_bad_head_reports_the_same_values_in_both(defect):
         got[name] = (type(info.value).__name__, info.value.a, info.value.b)
     assert got["c"] == got["reference"]
     assert got["c"][1:] == (second, 6)
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_split_d_05_two_entry_table_taken_by_the_fast_path_only_when_the_walk_would(size):
+    """A ring descriptor of a two-entry indirect table (a header and a frame) goes by vq_dev_pairs_split. On a queue
+    of one entry the table is longer than the queue (SPLIT-D-05 / SPLIT-V-14): refused as the general walk and the
+    reference refuse it, not taken; on a queue of two, taken as one ring descriptor and two segments."""
+    out = {}
+    for name, impl in (("c", virtq), ("reference", reference)):
+        buf = bytearray(MEMSIZE)
+        lay = QueueLayout.contiguous("split", size, BASE)
+        dev = impl.DeviceQueue(MemoryTable([(BASE, MEMSIZE, buf)]), lay, bit(VIRTIO_F_INDIRECT_DESC))
+        struct.pack_into("<QIHH", buf, INDIRECT - BASE, DATA, 12, VIRTQ_DESC_F_NEXT, 1)
+        struct.pack_into("<QIHH", buf, INDIRECT - BASE + 16, DATA + 64, 64, 0, 0)
+        struct.pack_into("<QIHH", buf, lay.desc - BASE, INDIRECT, 32, VIRTQ_DESC_F_INDIRECT, 0)
+        struct.pack_into("<HH", buf, lay.driver - BASE, 0, 1)   # avail flags, idx 1; ring[0] = 0
+        try:
+            ch = dev.poll()
+            out[name] = [(int(ch.id[k]), int(ch.ndesc[k]), ch.segments(k)) for k in range(ch.n)]
+        except RingError as e:
+            out[name] = type(e).__name__   # the two word their messages apart
+    assert out["c"] == out["reference"]
+    assert out["c"] == ([(0, 1, [(DATA, 12, 0), (DATA + 64, 64, 0)])] if size == 2 else "ChainTooLong")

@@ -251,6 +251,8 @@ class TxQueue:
         if hdr == "indirect" and mem.indirect_max < 2:
             raise ConfigError(f"indirect Tx headers need indirect tables of at least 2 entries (the header and the "
                               f"frame; at most the queue size), not {mem.indirect_max}")
+        # indirect has a fast path of its own (one-segment packets); force_slow keeps every packet on the general one
+        t_hdr_indirect = hdr == "indirect" and not force_slow
         force_slow = force_slow or hdr != "headroom"
         ind = (mem.gpa + mem.ind_off, mem.indirect_max) \
             if has(features, VIRTIO_F_INDIRECT_DESC) and hdr != "chain" and mem.indirect_max >= 2 else None
@@ -273,6 +275,7 @@ class TxQueue:
         t.hdr_host = ffi.cast("uint8_t *", ffi.from_buffer(mem.hdr_view))
         t.hdr_gpa = mem.gpa + mem.hdr_off
         t.force_slow = int(bool(force_slow))
+        t.hdr_indirect = t_hdr_indirect
         t.hdr_per_packet = hdr_init == "packet"
         t.doorbell_per_packet = doorbell == "packet"
         t.publish_every = publish_every = int(publish_every)

@@ -298,15 +298,28 @@ static inline void vq_drv_added(struct vq_driver *q, uint16_t n)
     q->kick_added += n;
 }
 
+/* One-descriptor buffers whose descriptor is an indirect table of two device-readable entries (vq_drv_add_simple_*
+ * with one of these): a header at hdr_gpa + id * hdr_stride, hdr_len bytes, then the buffer; the id each buffer took
+ * goes into ids. The caller checked use_indirect and indirect_max >= 2. */
+struct vq_hdr_table {
+    uint64_t hdr_gpa;
+    uint32_t hdr_stride, hdr_len;
+    uint16_t *ids;
+};
+
 /* One-descriptor buffers, split: the state in locals (stores through id_inflight, a uint8_t array, may alias
- * anything: fields read through q would be reloaded after each one). What vq_drv_add1_split does for nseg 1. */
-static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
-                                               int writable, const uint64_t *tokens, uint32_t n)
+ * anything: fields read through q would be reloaded after each one). What vq_drv_add1_split does for nseg 1.
+ * With ht (a constant where inlined): each as a two-entry table. The table of an id lives at a fixed place, so its
+ * ring descriptor never changes: that one is stored only when it differs, and its line stays in the device's
+ * cache instead of coming back from the driver's for each use. */
+static inline __attribute__((always_inline)) uint32_t
+vq_drv_add_simple_split_v(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens, int writable,
+                          const uint64_t *tokens, uint32_t n, const struct vq_hdr_table *ht)
 {
     struct vring_desc *desc = q->desc;
     uint16_t *ring = q->avail->ring, *free_next = q->free_next, *id_ndesc = q->id_ndesc;
     uint32_t *id_wlen = q->id_wlen;
-    uint64_t *id_token = q->id_token;
+    uint64_t *id_token = q->id_token, tstride = (uint64_t)q->indirect_max * 16;
     uint8_t *id_inflight = q->id_inflight;
     uint16_t mask = q->size - 1, next_avail = q->next_avail, head = q->in_order ? q->next_desc : q->free_head;
     uint16_t flags = writable ? VIRTQ_DESC_F_WRITE : 0;
@@ -318,7 +331,21 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
         uint16_t id = head;
         struct vring_desc *d = &desc[id];
         head = in_order ? (uint16_t)((id + 1) & mask) : free_next[id];
-        VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->flags, flags); VQ_STORE(d->next, 0);
+        if (ht) {
+            struct vring_desc *t = (struct vring_desc *)(q->indirect_host + id * tstride);
+            uint64_t ta = q->indirect_gpa + id * tstride;
+            VQ_STORE(t[0].addr, ht->hdr_gpa + (uint64_t)id * ht->hdr_stride); VQ_STORE(t[0].len, ht->hdr_len);
+            VQ_STORE(t[0].flags, VIRTQ_DESC_F_NEXT); VQ_STORE(t[0].next, 1);
+            VQ_STORE(t[1].addr, addrs[i]); VQ_STORE(t[1].len, lens[i]); VQ_STORE(t[1].flags, 0); VQ_STORE(t[1].next, 0);
+            if (VQ_ONCE(d->addr) != ta || VQ_ONCE(d->len) != 32 || VQ_ONCE(d->flags) != VIRTQ_DESC_F_INDIRECT
+                    || VQ_ONCE(d->next) != 0) {
+                VQ_STORE(d->addr, ta); VQ_STORE(d->len, 32); VQ_STORE(d->flags, VIRTQ_DESC_F_INDIRECT);
+                VQ_STORE(d->next, 0);
+            }
+            ht->ids[i] = id;
+        } else {
+            VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->flags, flags); VQ_STORE(d->next, 0);
+        }
         vq_drv_track1(id_ndesc, id_wlen, id_token, id_inflight, id, writable ? lens[i] : 0, tokens[i]);
         vq_avail_put(&ring[next_avail++ & mask], id);
     }
@@ -332,18 +359,20 @@ static inline uint32_t vq_drv_add_simple_split(struct vq_driver *q, const uint64
     return i;
 }
 
-/* One-descriptor buffers, packed (see vq_drv_add_simple_split); the first flags of a publish batch are kept
- * aside (PACKED-D-12), as vq_drv_add1_packed does. */
-static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
-                                                int writable, const uint64_t *tokens, uint32_t n)
+/* One-descriptor buffers, packed (see vq_drv_add_simple_split_v); the first flags of a publish batch are kept
+ * aside (PACKED-D-12), as vq_drv_add1_packed does. With ht, the ring slot is stored anyway: its flags carry the
+ * wrap, so it changes with every use. */
+static inline __attribute__((always_inline)) uint32_t
+vq_drv_add_simple_packed_v(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens, int writable,
+                           const uint64_t *tokens, uint32_t n, const struct vq_hdr_table *ht)
 {
     struct vring_packed_desc *ring = q->pdesc;
     uint16_t *free_next = q->free_next, *id_ndesc = q->id_ndesc;
     uint32_t *id_wlen = q->id_wlen;
-    uint64_t *id_token = q->id_token;
+    uint64_t *id_token = q->id_token, tstride = (uint64_t)q->indirect_max * 16;
     uint8_t *id_inflight = q->id_inflight;
     uint16_t size = q->size, slot = q->next_avail, wrap = q->avail_wrap, head = q->free_head, pending = q->pending;
-    uint16_t wflag = writable ? VIRTQ_DESC_F_WRITE : 0;
+    uint16_t wflag = ht ? VIRTQ_DESC_F_INDIRECT : writable ? VIRTQ_DESC_F_WRITE : 0;
     int in_order = q->in_order;
     uint32_t i;
     if (n > q->num_free)
@@ -354,7 +383,17 @@ static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint6
         uint16_t flags = vq_avail_bits(wrap) | wflag;
         if (!in_order)
             head = free_next[id];
-        VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]); VQ_STORE(d->id, id);
+        if (ht) {
+            struct vring_packed_desc *t = (struct vring_packed_desc *)(q->indirect_host + id * tstride);
+            VQ_STORE(t[0].addr, ht->hdr_gpa + (uint64_t)id * ht->hdr_stride); VQ_STORE(t[0].len, ht->hdr_len);
+            VQ_STORE(t[0].id, 0); VQ_STORE(t[0].flags, 0);
+            VQ_STORE(t[1].addr, addrs[i]); VQ_STORE(t[1].len, lens[i]); VQ_STORE(t[1].id, 0); VQ_STORE(t[1].flags, 0);
+            VQ_STORE(d->addr, q->indirect_gpa + id * tstride); VQ_STORE(d->len, 32);
+            ht->ids[i] = id;
+        } else {
+            VQ_STORE(d->addr, addrs[i]); VQ_STORE(d->len, lens[i]);
+        }
+        VQ_STORE(d->id, id);
         if (pending++ == 0) {
             q->pending_head = slot;
             q->pending_flags = flags;
@@ -379,8 +418,16 @@ static inline uint32_t vq_drv_add_simple_packed(struct vq_driver *q, const uint6
 static inline uint32_t vq_drv_add_simple(struct vq_driver *q, const uint64_t *addrs, const uint32_t *lens,
                                          int writable, const uint64_t *tokens, uint32_t n)
 {
-    return q->packed ? vq_drv_add_simple_packed(q, addrs, lens, writable, tokens, n)
-                     : vq_drv_add_simple_split(q, addrs, lens, writable, tokens, n);
+    return q->packed ? vq_drv_add_simple_packed_v(q, addrs, lens, writable, tokens, n, 0)
+                     : vq_drv_add_simple_split_v(q, addrs, lens, writable, tokens, n, 0);
+}
+
+/* Device-readable buffers, each behind a two-entry table with its header (struct vq_hdr_table). */
+static inline uint32_t vq_drv_add_hdr_table(struct vq_driver *q, const struct vq_hdr_table *ht, const uint64_t *addrs,
+                                            const uint32_t *lens, const uint64_t *tokens, uint32_t n)
+{
+    return q->packed ? vq_drv_add_simple_packed_v(q, addrs, lens, 0, tokens, n, ht)
+                     : vq_drv_add_simple_split_v(q, addrs, lens, 0, tokens, n, ht);
 }
 
 /* One release store makes the whole batch visible (MEM-01/02, PACKED-D-22); none when nothing was added since the
@@ -459,7 +506,7 @@ static inline int vq_drv_check_len(struct vq_driver *q, uint16_t id, uint32_t le
 }
 
 /* The fast paths of the reclaims: runs of used entries that are each one valid one-descriptor buffer (in-order:
- * exactly the oldest, no batch), with the state in locals (see vq_drv_add_simple_split). Anything else, valid
+ * exactly the oldest, no batch), with the state in locals (see vq_drv_add_simple_split_v). Anything else, valid
  * or not, stops the run and is left to the general walk below, which checks and reports it. Return the buffers
  * reclaimed. */
 static inline uint32_t vq_drv_reclaim_simple_split(struct vq_driver *q, uint64_t *tokens, uint32_t *lens,
@@ -890,6 +937,7 @@ static inline void vq_run_record(struct vq_device *q, struct vq_chains *c, const
 struct vq_pairs {
     uint32_t n;
     uint16_t id[VQ_RUN];
+    uint16_t ndesc[VQ_RUN];   /* ring descriptors of chain j: 2 direct, 1 through a two-entry indirect table */
     uint32_t len[2 * VQ_RUN];
     uint64_t addr[2 * VQ_RUN];
     uint8_t *host[2 * VQ_RUN];
@@ -902,13 +950,13 @@ static inline void vq_pairs_record(struct vq_device *q, struct vq_chains *c, con
     uint16_t *cid = c->id + k0, *cndesc = c->ndesc + k0, *cnseg = c->nseg + k0, *id_ndesc = q->id_ndesc;
     uint32_t *cstart = c->seg_start + k0, *crlen = c->rlen + k0, *cwlen = c->wlen + k0, *id_wlen = q->id_wlen;
     for (j = 0; j < n; j++) {
-        cid[j] = r->id[j]; cndesc[j] = 2; cnseg[j] = 2; cstart[j] = s0 + 2 * j;
+        cid[j] = r->id[j]; cndesc[j] = r->ndesc[j]; cnseg[j] = 2; cstart[j] = s0 + 2 * j;
     }
     for (j = 0; j < n; j++) {   /* no overflow: vq_pair_take checked the sums */
         uint32_t l0 = r->len[2 * j], l1 = r->len[2 * j + 1], w0 = r->write[2 * j], w1 = r->write[2 * j + 1];
         uint32_t wl = (w0 ? l0 : 0) + (w1 ? l1 : 0);
         crlen[j] = l0 + l1 - wl; cwlen[j] = wl;
-        id_ndesc[r->id[j]] = 2;
+        id_ndesc[r->id[j]] = r->ndesc[j];
         id_wlen[r->id[j]] = wl;
     }
     memcpy(c->seg_len + s0, r->len, 2 * n * sizeof *r->len);
@@ -1053,9 +1101,11 @@ static inline int vq_dev_simple_packed(struct vq_device *q, struct vq_chains *c,
     return rc;
 }
 
-/* Split: two-descriptor direct chains from last_avail up to avail_idx. A chain of another shape, or one a check
- * of the general walk would refuse (SPLIT-V-13 head, ID_IN_USE, next out of range, vq_pair_take), ends the run:
- * it is left to the general walk, which reports what fails. Stops when c is full too. Returns the chains taken. */
+/* Split: two-descriptor chains from last_avail up to avail_idx, direct, or one ring descriptor of an indirect
+ * table of exactly two entries (a header and a frame: a driver's Tx without headroom). A chain of another shape,
+ * or one a check of the general walk would refuse (SPLIT-V-13 head, ID_IN_USE, next out of range, the table's
+ * place, vq_pair_take), ends the run: it is left to the general walk, which reports what fails. Stops when c is
+ * full too. Returns the chains taken. */
 static inline uint32_t vq_dev_pairs_split(struct vq_device *q, struct vq_chains *c, uint32_t lim, uint16_t avail_idx)
 {
     const struct vring_desc *desc = q->desc;
@@ -1082,20 +1132,41 @@ static inline uint32_t vq_dev_pairs_split(struct vq_device *q, struct vq_chains 
                 more = 0;
                 break;
             }
-            uint16_t f0 = VQ_ONCE(desc[head].flags), nx = VQ_ONCE(desc[head].next);
-            if (nx >= size) {
-                more = 0;
-                break;
+            uint16_t f0 = VQ_ONCE(desc[head].flags), nx = VQ_ONCE(desc[head].next), f1, nd = 2;
+            uint64_t a0, a1;
+            uint32_t l0, l1;
+            if ((f0 & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) == VIRTQ_DESC_F_INDIRECT) {
+                uint64_t ta = VQ_ONCE(desc[head].addr);
+                const uint8_t *t = VQ_ONCE(desc[head].len) == 32 && size >= 2 ? vq_translate0(&r0, mem, ta, 32) : 0;
+                struct vring_desc e0, e1;
+                if (!t) {
+                    more = 0;
+                    break;
+                }
+                vq_copy_indirect(&e0, t, 0);
+                vq_copy_indirect(&e1, t, 1);
+                if (e0.next != 1) {   /* in a table of two, the only next in range that ends the chain */
+                    more = 0;
+                    break;
+                }
+                a0 = e0.addr; l0 = e0.len; f0 = e0.flags; a1 = e1.addr; l1 = e1.len; f1 = e1.flags;
+                nd = 1;
+            } else {
+                if (nx >= size) {
+                    more = 0;
+                    break;
+                }
+                a0 = VQ_ONCE(desc[head].addr); a1 = VQ_ONCE(desc[nx].addr);
+                l0 = VQ_ONCE(desc[head].len); l1 = VQ_ONCE(desc[nx].len);
+                f1 = VQ_ONCE(desc[nx].flags);
             }
-            uint64_t a0 = VQ_ONCE(desc[head].addr), a1 = VQ_ONCE(desc[nx].addr);
-            uint32_t l0 = VQ_ONCE(desc[head].len), l1 = VQ_ONCE(desc[nx].len);
-            uint16_t f1 = VQ_ONCE(desc[nx].flags);
             if (!vq_pair_take(&r, &r0, mem, f0, a0, l0, f1, a1, l1)) {
                 more = 0;
                 break;
             }
             id_inflight[head] = 1;
             r.id[r.n] = head;
+            r.ndesc[r.n] = nd;
         }
         vq_pairs_record(q, c, &r);
         taken += r.n;
@@ -1146,6 +1217,7 @@ static inline uint32_t vq_dev_pairs_packed(struct vq_device *q, struct vq_chains
             }
             id_inflight[id] = 1;
             r.id[r.n] = id;
+            r.ndesc[r.n] = 2;
             for (int t = 0; t < 2; t++) {
                 if (++slot == size) {
                     slot = 0;

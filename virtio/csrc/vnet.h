@@ -197,10 +197,13 @@ static inline uint32_t vn_tx_need(const struct vn_txq *t, const uint32_t *idx, u
 #define VN_RUN 64   /* fast-path packets handed to the ring in one vq_drv_add_simple call */
 
 /* Fast path: packets of one segment with headroom get the header written into it and go as ONE descriptor each,
- * a run at a time. State in locals (the header stores may alias anything). Stops at the first packet that is not
- * ours, needs the slow path, or does not fit. Returns the packets queued (not yet published). */
+ * a run at a time. State in locals (the header stores may alias anything). With ind (--tx-hdr indirect), packets of
+ * one segment, headroom or not, go as one ring descriptor each, a two-entry table of the header slot of their id
+ * and the frame; the slot is stored only when it differs from the template, so after an id's first use never, and
+ * the device reads it from its own cache. Stops at the first packet that is not ours, needs the slow path, or does
+ * not fit. Returns the packets queued (not yet published). */
 static inline __attribute__((always_inline)) uint32_t
-vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n, int per_packet)
+vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n, int per_packet, int ind)
 {
     const struct vn_pool *p = t->pool;
     const uint8_t *owned = p->owned;
@@ -212,22 +215,36 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
     uint8_t tmpl[12];
     uint64_t a[VN_RUN], tok[VN_RUN];
     uint32_t l[VN_RUN];
+    uint16_t ids[VN_RUN];
+    struct vq_hdr_table ht = {t->hdr_gpa, VN_HDR_SLOT, hs, ids};
     __builtin_memcpy(tmpl, t->hdr_tmpl, sizeof tmpl);
     while (done < n) {
         uint32_t k = 0, m = n - done < VN_RUN ? n - done : VN_RUN;
         for (; k < m; k++) {
             uint32_t b = idx[done + k];
-            if (b >= nbufs || !owned[b] || next[b] != VN_NONE || data_off[b] < hs)
+            if (b >= nbufs || !owned[b] || next[b] != VN_NONE || (!ind && data_off[b] < hs))
                 break;
-            uint64_t off = (uint64_t)b * bs + data_off[b] - hs;
-            vn_hdr_put(host + off, tmpl, hs, per_packet);
-            a[k] = gpa + off;
-            l[k] = len[done + k] + hs;
+            uint64_t off = (uint64_t)b * bs + data_off[b];
+            if (ind) {
+                a[k] = gpa + off;
+                l[k] = len[done + k];
+            } else {
+                vn_hdr_put(host + off - hs, tmpl, hs, per_packet);
+                a[k] = gpa + off - hs;
+                l[k] = len[done + k] + hs;
+            }
             tok[k] = b;
         }
-        uint32_t added = k ? vq_drv_add_simple(t->q, a, l, 0, tok, k) : 0;
-        for (uint32_t j = 0; j < added; j++)
+        uint32_t added = k == 0 ? 0 : ind ? vq_drv_add_hdr_table(t->q, &ht, a, l, tok, k)
+                                          : vq_drv_add_simple(t->q, a, l, 0, tok, k);
+        for (uint32_t j = 0; j < added; j++) {
+            if (ind) {   /* the slot of an id just taken: no longer in flight (nothing is published yet) */
+                uint8_t *slot = t->hdr_host + (uint32_t)ids[j] * VN_HDR_SLOT;
+                if (per_packet || memcmp(slot, tmpl, hs))
+                    vn_hdr_put(slot, tmpl, hs, per_packet);
+            }
             bytes += len[done + j];
+        }
         done += added;
         if (added < m)
             break;
@@ -239,7 +256,9 @@ vn_tx_fast_v(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_
 
 static inline uint32_t vn_tx_fast(struct vn_txq *t, const uint32_t *idx, const uint32_t *len, uint32_t n)
 {
-    return t->hdr_per_packet ? vn_tx_fast_v(t, idx, len, n, 1) : vn_tx_fast_v(t, idx, len, n, 0);
+    if (t->hdr_indirect)
+        return t->hdr_per_packet ? vn_tx_fast_v(t, idx, len, n, 1, 1) : vn_tx_fast_v(t, idx, len, n, 0, 1);
+    return t->hdr_per_packet ? vn_tx_fast_v(t, idx, len, n, 1, 0) : vn_tx_fast_v(t, idx, len, n, 0, 0);
 }
 
 /* One packet by the general path: header slot + segments as a chain, or one indirect descriptor (also the fast
@@ -310,7 +329,7 @@ static inline uint32_t vn_tx_queue(struct vn_txq *t, const uint32_t *idx, const 
         }
     }
     while (i < n) {
-        if (!t->force_slow)
+        if (t->hdr_indirect || !t->force_slow)
             i += vn_tx_fast(t, idx + i, len + i, n - i);
         if (i == n)
             break;

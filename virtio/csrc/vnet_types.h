@@ -26,7 +26,8 @@ struct vn_txq {
     uint8_t *hdr_host;      /* header area: one slot per buffer id */
     uint64_t hdr_gpa;
     uint8_t hdr_tmpl[16];   /* set once per burst */
-    uint8_t force_slow, kick, pending_kick, pad;   /* kick: this burst notified the device */
+    uint8_t force_slow, kick, pending_kick;   /* kick: this burst notified the device */
+    uint8_t hdr_indirect;   /* --tx-hdr indirect by its fast path: a one-segment packet as a two-entry table */
     /* variants, fixed when the queue is built (vring bench --study): the header cleared once per packet instead
      * of once per burst; one publish + doorbell per packet instead of one per burst (no xmit_more) */
     uint8_t hdr_per_packet, doorbell_per_packet;
