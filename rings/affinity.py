@@ -4,6 +4,10 @@ import math
 import numbers
 import operator
 import os
+import threading
+
+# one probe at a time in this process: two at once measure each other (helper-61 saw 10-28 us where 50 ns was true)
+_PROBE_LOCK = threading.Lock()
 
 
 def pin_error(cpu):
@@ -36,7 +40,8 @@ def line_transfer_ns(cpu_a, cpu_b, seconds=0.02):
     VM: ~35-50 ns or ~200-240 ns), so a rate means little without the placement it was measured in
     (benchmarks/interleaved.py labels each round with it). ConfigError for two equal CPUs, a CPU this process
     may not run on (its cpuset: a thread pinned elsewhere may still probe) or a time outside (0, 10] s; VringError
-    when the thread on ``cpu_b`` never answered."""
+    when the thread on ``cpu_b`` never answered. Threads of one process probe one after the other; two processes
+    probing at once still measure each other."""
     from rings.errors import ConfigError, VringError
     from rings._virtq import lib
 
@@ -57,7 +62,8 @@ def line_transfer_ns(cpu_a, cpu_b, seconds=0.02):
     s = float(seconds) if isinstance(seconds, numbers.Real) and not isinstance(seconds, bool) else math.nan
     if not 0 < s <= 10:
         raise ConfigError(f"line_transfer_ns: seconds {seconds!r} outside (0, 10]")
-    ns = lib.probe_line_transfer_ns(cpu_a, cpu_b, max(1, round(s * 1e9)))
+    with _PROBE_LOCK:   # cffi lets go of the GIL during the call: without it, threads would probe at once
+        ns = lib.probe_line_transfer_ns(cpu_a, cpu_b, max(1, round(s * 1e9)))
     if ns == -1:
         raise ConfigError(f"line_transfer_ns: could not run a thread on CPU {cpu_a} and one on CPU {cpu_b} "
                           f"(not CPUs this process may run on?)")

@@ -5,6 +5,7 @@ calling thread where it was."""
 import math
 import os
 import threading
+import time
 
 import pytest
 
@@ -147,3 +148,32 @@ def test_a_real_time_caller_is_measured():
     r = _in_child(["chrt", "-f", "1"], _PROBE.format(a=CPUS[0], b=CPUS[-1]))
     ns, took = r.stdout.split()
     assert float(ns) > 0 and float(took) < 0.9, r.stdout + r.stderr
+
+
+@two_cpus
+def test_threads_of_one_process_probe_one_after_the_other(monkeypatch):
+    """Two probes at once would each measure the other's bouncing too: threads of one process take turns (the C
+    call releases the GIL, so without the lock they would overlap)."""
+    import rings._virtq as engine
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    class Lib:
+        @staticmethod
+        def probe_line_transfer_ns(a, b, budget):
+            with guard:
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+            time.sleep(0.02)   # long enough for every other thread to arrive
+            with guard:
+                inside[0] -= 1
+            return 42.0
+
+    monkeypatch.setattr(engine, "lib", Lib)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(line_transfer_ns(CPUS[0], CPUS[-1]))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [42.0] * 4 and most[0] == 1
