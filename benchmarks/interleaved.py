@@ -362,12 +362,18 @@ def summary(pairs, rounds=None):
     return out
 
 
+def run_order(pairs, r):
+    """The pairs in the order loop round r runs them: every other round reversed, so that none always goes first.
+    Kept round i (the rates' and probes' index) is loop round i + 1: round 0 is not counted."""
+    return pairs if r % 2 == 0 else pairs[::-1]
+
+
 def by_placement(pairs):
     """The rounds split by where the host had put the two CPUs (line_transfer_ns before each slice): {"threshold_ns",
-    "probes_ns", "near": [round indices], "far": [...], "mixed": [...]}. A mixed round's slices saw both, or one had
+    "probes_ns" (in the order they were taken), "near": [round indices], "far": [...], "mixed": [...]}. A mixed round's slices saw both, or one had
     no probe (None: its CPUs were not free). The lists are empty and the threshold None when the probes show one
     placement only."""
-    probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in pairs]
+    probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in run_order(pairs, r + 1)]   # in time order
     t = placement_threshold(probes)   # None: one placement, or no probes (one CPU for both sides)
     out = {"threshold_ns": t, "probes_ns": probes, "near": [], "far": [], "mixed": []}
     if t is not None:
@@ -467,7 +473,7 @@ def main():
         # round 0 is not counted: a pair continued for the first time after its warm-up ran far below its rate
         # (attack54: 0.03-0.4 Mpps against 2-4.6 in later rounds with --warmup 0.2)
         for r in range(args.rounds + 1):
-            for pair in (pairs if r % 2 == 0 else pairs[::-1]):
+            for pair in run_order(pairs, r):
                 at = pair
                 pair.slice(args.slice, args.cpus, keep=r > 0)
     except Failure as e:

@@ -385,6 +385,9 @@ def test_rounds_are_split_by_where_the_two_cpus_were():
     b = _P("ours", [1.0] * 4, probes=[42.0, 205.0, 190.0, 220.0])
     split = m.by_placement([a, b])
     assert (split["near"], split["far"], split["mixed"]) == ([0], [1, 3], [2])
+    # probes_ns in the order the slices ran: kept round 0 is loop round 1, which runs the pairs reversed
+    assert split["probes_ns"] == [42.0, 40.0, 210.0, 205.0, 190.0, 45.0, 200.0, 220.0]
+    assert [p.name for p in m.run_order([a, b], 1)] == ["ours", "dpdk"] and m.run_order([a, b], 2) == [a, b]
     # a slice whose probe could not run (a CPU held by something else) has no label: its round is neither
     c = _P("ours2", [1.0] * 4, probes=[41.0, None, 44.0, 215.0])
     split = m.by_placement([a, c])
