@@ -396,3 +396,31 @@ def test_the_placement_of_the_two_cpus_is_reported_and_split():
     assert one and "moved" not in one[0]
     assert bench._placement_lines({"config": cfg, "placement": {"probes_ns": [None, None], "threshold_ns": None}}) == []
     assert bench._placement_lines({"config": cfg}) == []
+
+
+def test_points_are_split_by_placement_and_compared_within_each():
+    """With two placements, each point's repeats are split by the probe before each (near below the threshold, far
+    at or above, unprobed in neither), and a pair is compared with dpdk/dpdk within the same placement only: a
+    near repeat of one against a far repeat of the other compares the machine."""
+    cfg = bench.BenchConfig(pairs=["ours/dpdk", "dpdk/dpdk"], paths=["split-normal"], repeat=4)
+
+    def rec(pair, rep, pps, line_ns):
+        return {"pair": pair, "path": "split-normal", "pkt_size": 64, "repeat": rep, "line_ns_before": line_ns,
+                "rate": {"pps_median": pps, "pps_min": pps, "pps_max": pps, "samples_pps": [pps]},
+                "latency": {"p50_us": None, "p99_us": None, "p99.9_us": None, "reason": "none"},
+                "notifications": {}, "retries": {"retries": 0}, "drops": {"total": 0}, "loss_check": {"ok": True}}
+    # ours: near 8, 9; far 5 and an unprobed 1; dpdk: near 8, far 6, 6, 7
+    runs = [rec("ours/dpdk", 0, 8e6, 40.0), rec("dpdk/dpdk", 0, 8e6, 45.0),
+            rec("ours/dpdk", 1, 5e6, 210.0), rec("dpdk/dpdk", 1, 6e6, 200.0),
+            rec("ours/dpdk", 2, 9e6, 42.0), rec("dpdk/dpdk", 2, 6e6, 205.0),
+            rec("ours/dpdk", 3, 1e6, None), rec("dpdk/dpdk", 3, 7e6, 199.0)]
+    ours, ref = bench.aggregate(cfg, runs, placement_ns=90.0)
+    assert ours["placements"] == {"near": {"repeats": 2, "median": 8_500_000}, "far": {"repeats": 1, "median": 5_000_000}}
+    assert ref["placements"] == {"near": {"repeats": 1, "median": 8_000_000}, "far": {"repeats": 3, "median": 6_000_000}}
+    assert ours["vs_dpdk"]["by_placement"] == {"near": round(8.5 / 8, 3), "far": round(5 / 6, 3)}
+    lines = bench._placement_table_lines([ours, ref], rates=False)
+    assert "by placement" in lines[1] and "1.062" in lines[-2] and "0.833" in lines[-2]
+    # one placement: no split, no table
+    one, _ = bench.aggregate(cfg, runs)
+    assert "placements" not in one and "by_placement" not in one["vs_dpdk"]
+    assert bench._placement_table_lines([one], rates=False) == []

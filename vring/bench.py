@@ -994,9 +994,11 @@ def by_regime(samples, threshold):
     return out
 
 
-def aggregate(cfg: BenchConfig, records):
+def aggregate(cfg: BenchConfig, records, placement_ns=None):
     """Per point (study group and variant, path, size, offered rate, mode, pair): the medians over repeats, and
-    the ratio to dpdk/dpdk at the same point (median of the per-repeat ratios: same repeat, same noise)."""
+    the ratio to dpdk/dpdk at the same point (median of the per-repeat ratios: same repeat, same noise). With
+    ``placement_ns`` (placement_threshold of the probes), the repeats are also split by the placement their
+    probe saw (by_placement)."""
     keys = []
     for r in records:
         if _rkey(r) not in keys:
@@ -1069,7 +1071,29 @@ def aggregate(cfg: BenchConfig, records):
         if p["regimes"] and p["vs_dpdk"] is not None and ref is not None and ref["regimes"]:
             p["vs_dpdk"]["by_regime"] = {name: round(p["regimes"][name]["median"] / ref["regimes"][name]["median"], 3)
                                          for name in ("slow", "fast")}
+    if placement_ns is not None:
+        for p in points:
+            p["placements"] = by_placement([r for r in records if _rkey(r) == _pkey(p)], placement_ns)
+        for p in points:
+            ref = by_key.get(_pkey(p)[:-1] + ("dpdk/dpdk",))
+            if p["vs_dpdk"] is not None and ref is not None:
+                p["vs_dpdk"]["by_placement"] = {
+                    name: round(p["placements"][name]["median"] / ref["placements"][name]["median"], 3)
+                    for name in ("near", "far") if p["placements"][name]["median"] and ref["placements"][name]["median"]}
     return points
+
+
+def by_placement(runs, threshold_ns):
+    """The repeats of one point by where the host had put the two CPUs before each (line_ns_before: near below
+    threshold_ns, far at or above, none when not probed): {"near": {"repeats", "median"}, "far": ...}, the median
+    of those repeats' medians. Within a placement two pairs compare; across placements they compare the machine."""
+    out = {}
+    for name, mine in (("near", [r for r in runs if (r.get("line_ns_before") or -1) >= 0
+                                 and r["line_ns_before"] < threshold_ns]),
+                       ("far", [r for r in runs if (r.get("line_ns_before") or -1) >= threshold_ns])):
+        meds = [r["rate"]["pps_median"] for r in mine if r["rate"]["pps_median"]]
+        out[name] = {"repeats": len(meds), "median": round(statistics.median(meds)) if meds else None}
+    return out
 
 
 def _pkey(p):
@@ -1145,6 +1169,7 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
         machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         pass
+    placement_ns = placement_threshold(probes)
     result = {"tool": "vring bench", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
               "duration_s": round(time.time() - started, 1), "machine": machine, "config": asdict(cfg),
               "pinning": pinning_note(cfg),
@@ -1160,8 +1185,9 @@ def run_bench(cfg: BenchConfig, progress=None, on_record=None):
                                 "idle interval; other_on_pinned flags noise",
                          "loss_check": "injected == in flight (driver Tx not dequeued + device pending + enqueued "
                                        "not received + held by the driver) + lost (all drop counters)"},
-              "placement": {"probes_ns": probes, "threshold_ns": placement_threshold(probes)},
-              "interrupted": interrupted, "points": aggregate(cfg, records), "runs": records, "errors": errors}
+              "placement": {"probes_ns": probes, "threshold_ns": placement_ns},
+              "interrupted": interrupted, "points": aggregate(cfg, records, placement_ns), "runs": records,
+              "errors": errors}
     if cfg.study:
         from vring import studies
         result["study"] = studies.get(cfg.study).summary(cfg, result["points"])
@@ -1232,6 +1258,7 @@ def format_table(result):
             + f"{_fmt(p['retries'], 'd'):>7s} {p['drops']:>6d} "
               f"{'ok' if p['loss_check_ok'] else 'FAIL':>5s}" + ("  noisy" if p.get("noisy") else ""))
     lines += _regime_lines(pts, rates)
+    lines += _placement_table_lines(pts, rates)
     lines += _footer(result)
     return "\n".join(lines)
 
@@ -1260,6 +1287,27 @@ def _regime_lines(pts, rates):
     return lines
 
 
+def _placement_table_lines(pts, rates):
+    """When the probes saw two placements (by_placement): each point's rate among the repeats measured near and
+    among those measured far, and its ratio to dpdk/dpdk's in the same placement."""
+    pts = [p for p in pts if p.get("placements")]
+    if not pts:
+        return []
+    head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} " + (f"{'offered':>8s} " if rates else "")
+            + f"| {'near n':>6s} {'Mpps':>7s} {'vs dpdk':>7s} | {'far n':>6s} {'Mpps':>7s} {'vs dpdk':>7s}")
+    lines = ["", "by placement: the repeats measured with the two CPUs near, and far (placement line below); Mpps "
+                 "(median) within each, and vs dpdk within the same placement", head, "-" * len(head)]
+    for p in pts:
+        g, by = p["placements"], (p["vs_dpdk"] or {}).get("by_placement") or {}
+        cells = []
+        for name in ("near", "far"):
+            m = g[name]["median"]
+            cells.append(f"{g[name]['repeats']:>6d} {_fmt(m and m / 1e6, '7.3f'):>7s} {_fmt(by.get(name), '7.3f'):>7s}")
+        lines.append(f"{p['path']:16s} {p['pkt_size']:>5d} {p['pair']:13s} {p.get('mode', 'poll'):6s} "
+                     + (f"{_rate_label(p.get('offered_pps')):>8s} " if rates else "") + f"| {cells[0]} | {cells[1]}")
+    return lines
+
+
 def _placement_lines(result):
     """Where the host had put the two CPUs: one cache line's trip between them before each measurement. On a shared
     VM it switches between near and far every few seconds, and a pair that moves more lines per packet loses more
@@ -1276,7 +1324,7 @@ def _placement_lines(result):
     if t is not None:
         far = sum(x >= t for x in probes)
         line += (f"; the host moved the CPUs: near (< {t:.0f} ns) before {len(probes) - far}, far before {far} "
-                 f"(runs[].line_ns_before; benchmarks/interleaved.py compares within each)")
+                 f"(runs[].line_ns_before; \"by placement\" above compares within each)")
     return [line]
 
 
