@@ -189,7 +189,10 @@ class NetHarness:
         self.mem = NetMemory(fmt, size, self.nbufs, 256, indirect_max=min(4, size))
         self.pool = self.mem.pool
         self.rx = RxQueue(self.mem, features, burst=8)
-        self.tx = TxQueue(self.mem, features, force_slow=bool(cfg >> 6 & 1))
+        # bit 7: --tx-hdr indirect (with INDIRECT_DESC negotiated): its own fast path, one-segment packets as
+        # two-entry tables (vq_drv_add_hdr_table), over the same device-written memory
+        hdr = "indirect" if cfg >> 7 & 1 and features & bit(VIRTIO_F_INDIRECT_DESC) else "headroom"
+        self.tx = TxQueue(self.mem, features, force_slow=bool(cfg >> 6 & 1), hdr=hdr)
         self.rxdev = DeviceWrites(self.mem.g, "rx_", self.packed, size)
         self.txdev = DeviceWrites(self.mem.g, "tx_", self.packed, size)
         self.held = set()   # packets (first buffers) the harness owns
