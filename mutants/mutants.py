@@ -340,7 +340,7 @@ MUTANTS += [
              "                    || (f0 & (VIRTQ_DESC_F_NEXT | VIRTQ_DESC_F_INDIRECT)) != VIRTQ_DESC_F_NEXT"),)),
     Mutant("packed_v_09_pairs_count_one_descriptor", ("PACKED-V-09",),
            "the two-descriptor fast paths record their buffers as one descriptor long",
-           ((H, "        id_ndesc[r->id[j]] = 2;", "        id_ndesc[r->id[j]] = 1;"),)),
+           ((H, "        id_ndesc[r->id[j]] = r->ndesc[j];", "        id_ndesc[r->id[j]] = 1;"),)),
     Mutant("split_v_13_avail_idx_jump_unchecked", ("SPLIT-V-13", "SPLIT-V-14"),
            "the device accepts avail.idx more than a ring ahead",
            ((H, "    if ((uint16_t)(avail_idx - q->last_avail) > size)   /* SPLIT-V-13 */",
