@@ -370,9 +370,9 @@ def run_order(pairs, r):
 
 def by_placement(pairs):
     """The rounds split by where the host had put the two CPUs (line_transfer_ns before each slice): {"threshold_ns",
-    "probes_ns" (in the order they were taken), "near": [round indices], "far": [...], "mixed": [...]}. A mixed round's slices saw both, or one had
-    no probe (None: its CPUs were not free). The lists are empty and the threshold None when the probes show one
-    placement only."""
+    "probes_ns" (in the order they were taken), "near": [round indices], "far": [...], "mixed": [...]}. A mixed
+    round's slices saw both, or one had no probe (None: its CPUs were not free). The lists are empty and the
+    threshold None when the probes show one placement only."""
     probes = [p.probes[r] for r in range(len(pairs[0].rates)) for p in run_order(pairs, r + 1)]   # in time order
     t = placement_threshold(probes)   # None: one placement, or no probes (one CPU for both sides)
     out = {"threshold_ns": t, "probes_ns": probes, "near": [], "far": [], "mixed": []}

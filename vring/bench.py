@@ -1079,7 +1079,8 @@ def aggregate(cfg: BenchConfig, records, placement_ns=None):
             if p["vs_dpdk"] is not None and ref is not None:
                 p["vs_dpdk"]["by_placement"] = {
                     name: round(p["placements"][name]["median"] / ref["placements"][name]["median"], 3)
-                    for name in ("near", "far") if p["placements"][name]["median"] and ref["placements"][name]["median"]}
+                    for name in ("near", "far")
+                    if p["placements"][name]["median"] and ref["placements"][name]["median"]}
     return points
 
 
@@ -1087,13 +1088,12 @@ def by_placement(runs, threshold_ns):
     """The repeats of one point by where the host had put the two CPUs before each (line_ns_before: near below
     threshold_ns, far at or above, none when not probed): {"near": {"repeats", "median"}, "far": ...}, the median
     of those repeats' medians. Within a placement two pairs compare; across placements they compare the machine."""
-    out = {}
-    for name, mine in (("near", [r for r in runs if (r.get("line_ns_before") or -1) >= 0
-                                 and r["line_ns_before"] < threshold_ns]),
-                       ("far", [r for r in runs if (r.get("line_ns_before") or -1) >= threshold_ns])):
-        meds = [r["rate"]["pps_median"] for r in mine if r["rate"]["pps_median"]]
-        out[name] = {"repeats": len(meds), "median": round(statistics.median(meds)) if meds else None}
-    return out
+    out = {"near": [], "far": []}
+    for r in runs:
+        ns, pps = r.get("line_ns_before"), r["rate"]["pps_median"]
+        if ns is not None and pps:
+            out["near" if ns < threshold_ns else "far"].append(pps)
+    return {name: {"repeats": len(m), "median": round(statistics.median(m)) if m else None} for name, m in out.items()}
 
 
 def _pkey(p):
@@ -1263,49 +1263,42 @@ def format_table(result):
     return "\n".join(lines)
 
 
-def _regime_lines(pts, rates):
-    """Points whose samples fell into two speed regimes (speed_regimes): each pair's rate within each, and its
-    ratio to dpdk/dpdk's in the same regime."""
-    pts = [p for p in pts if p.get("regimes")]
+def _split_lines(pts, rates, field, vs_key, names, count, title, split_at=False):
+    """A table of the points split two ways (p[field][name] for each of names: ``count`` and median), with the
+    ratio to dpdk/dpdk within the same part (p["vs_dpdk"][vs_key]); the threshold first with ``split_at``."""
+    pts = [p for p in pts if p.get(field)]
     if not pts:
         return []
     head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} " + (f"{'offered':>8s} " if rates else "")
-            + f"{'split at':>8s} | {'slow n':>6s} {'Mpps':>7s} {'vs dpdk':>7s} | {'fast n':>6s} {'Mpps':>7s} "
-              f"{'vs dpdk':>7s}")
-    lines = ["", "two speed regimes: the samples of these points fell into two clusters (the machine ran at two "
-                 "speeds); Mpps (median) within each, and vs dpdk where dpdk/dpdk's samples split too", head,
-             "-" * len(head)]
+            + (f"{'split at':>8s} " if split_at else "")
+            + " | ".join([""] + [f"{name + ' n':>6s} {'Mpps':>7s} {'vs dpdk':>7s}" for name in names]).lstrip())
+    lines = ["", title, head, "-" * len(head)]
     for p in pts:
-        g, by = p["regimes"], (p["vs_dpdk"] or {}).get("by_regime") or {}
-        cells = []
-        for name in ("slow", "fast"):
-            m = g[name]["median"]
-            cells.append(f"{g[name]['samples']:>6d} {_fmt(m and m / 1e6, '7.3f'):>7s} {_fmt(by.get(name), '7.3f'):>7s}")
+        g, by = p[field], (p["vs_dpdk"] or {}).get(vs_key) or {}
+        cells = [f"{g[name][count]:>6d} {_fmt(g[name]['median'] and g[name]['median'] / 1e6, '7.3f'):>7s} "
+                 f"{_fmt(by.get(name), '7.3f'):>7s}" for name in names]
         lines.append(f"{p['path']:16s} {p['pkt_size']:>5d} {p['pair']:13s} {p.get('mode', 'poll'):6s} "
                      + (f"{_rate_label(p.get('offered_pps')):>8s} " if rates else "")
-                     + f"{g['threshold_pps'] / 1e6:>8.2f} | {cells[0]} | {cells[1]}")
+                     + (f"{g['threshold_pps'] / 1e6:>8.2f} " if split_at else "")
+                     + " | ".join([""] + cells).lstrip())
     return lines
+
+
+def _regime_lines(pts, rates):
+    """Points whose samples fell into two speed regimes (speed_regimes): each pair's rate within each, and its
+    ratio to dpdk/dpdk's in the same regime."""
+    return _split_lines(pts, rates, "regimes", "by_regime", ("slow", "fast"), "samples",
+                        "two speed regimes: the samples of these points fell into two clusters (the machine ran at "
+                        "two speeds); Mpps (median) within each, and vs dpdk where dpdk/dpdk's samples split too",
+                        split_at=True)
 
 
 def _placement_table_lines(pts, rates):
     """When the probes saw two placements (by_placement): each point's rate among the repeats measured near and
     among those measured far, and its ratio to dpdk/dpdk's in the same placement."""
-    pts = [p for p in pts if p.get("placements")]
-    if not pts:
-        return []
-    head = (f"{'path':16s} {'size':>5s} {'driver/device':13s} {'mode':6s} " + (f"{'offered':>8s} " if rates else "")
-            + f"| {'near n':>6s} {'Mpps':>7s} {'vs dpdk':>7s} | {'far n':>6s} {'Mpps':>7s} {'vs dpdk':>7s}")
-    lines = ["", "by placement: the repeats measured with the two CPUs near, and far (placement line below); Mpps "
-                 "(median) within each, and vs dpdk within the same placement", head, "-" * len(head)]
-    for p in pts:
-        g, by = p["placements"], (p["vs_dpdk"] or {}).get("by_placement") or {}
-        cells = []
-        for name in ("near", "far"):
-            m = g[name]["median"]
-            cells.append(f"{g[name]['repeats']:>6d} {_fmt(m and m / 1e6, '7.3f'):>7s} {_fmt(by.get(name), '7.3f'):>7s}")
-        lines.append(f"{p['path']:16s} {p['pkt_size']:>5d} {p['pair']:13s} {p.get('mode', 'poll'):6s} "
-                     + (f"{_rate_label(p.get('offered_pps')):>8s} " if rates else "") + f"| {cells[0]} | {cells[1]}")
-    return lines
+    return _split_lines(pts, rates, "placements", "by_placement", ("near", "far"), "repeats",
+                        "by placement: the repeats measured with the two CPUs near, and far (placement line below); "
+                        "Mpps (median) within each, and vs dpdk within the same placement")
 
 
 def _placement_lines(result):
