@@ -9,7 +9,8 @@ what `vring bench --repeat` cannot do: there each point starts its processes ane
 run and not counted: a pair continued for the first time runs far below its rate.
 
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
-(``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver;
+(``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver
+(``dpdk --no-mrg-rxbuf``: virtio_user without MRG_RXBUF, the only argument DPDK's driver takes);
 ``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
 a code change). Each variant at most once; --inject at most the rings' 256 (a multiple of 32 with DPDK's driver).
 Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats and
@@ -260,7 +261,7 @@ class Pair:
                        else OurDevice(device, sock, workdir, args.cpus))
         if driver == "dpdk":
             self.driver = dpdk.Testpmd.virtio_user(
-                sock, packed=packed, in_order=in_order, mrg_rxbuf=True, queue_size=RING, burst=32, fwd="mac",
+                sock, packed=packed, in_order=in_order, mrg_rxbuf=not extra, queue_size=RING, burst=32, fwd="mac",
                 tx_first=True, autostart=False, lcores=(args.cpus[0], args.cpus[1]), extra=["--txpkts=64"],
                 log_path=os.path.join(workdir, f"p{k}-driver.log"))
             self.driver.start(60)
@@ -270,7 +271,8 @@ class Pair:
         else:
             argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
                     "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
-                    "--mrg-rxbuf", "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
+                    *(() if "--no-mrg-rxbuf" in extra else ("--mrg-rxbuf",)),   # a variant may turn it off
+                    "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
                     "--seconds", "86400",
                     "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra]
             self.driver_out = os.path.join(workdir, f"p{k}-driver.out")
@@ -439,8 +441,9 @@ def main():
     try:  # every variant checked before anything starts
         sides = [_sides(v, args.device) for v in variants]
         for v, (driver, device, extra) in zip(variants, sides):
-            if driver == "dpdk" and extra:
-                raise Failure(f"variant {v!r}: extra arguments are for our driver only")
+            if driver == "dpdk" and extra not in ([], ["--no-mrg-rxbuf"]):
+                raise Failure(f"variant {v!r}: DPDK's driver takes --no-mrg-rxbuf only (virtio_user mrg_rxbuf=0); "
+                              f"other arguments are for our driver")
             if driver != "dpdk" and driver.split("@")[0] != "ours":
                 raise Failure(f"variant {v!r}: dpdk, ours, ours@TREE or DRIVER/DEVICE, then our driver's arguments")
             for side in (driver, device):

@@ -228,6 +228,8 @@ def _processes_mentioning(text):
     (["--tx-hdr", "chain", "--ring-size", "128"], "--ring-size must be at least 2 x --inject (512)"),
     (["--ring-size", "0"], "power of two"),
     (["--pairs", "dpdk/dpdk,dpdk/ours", "--tx-hdr", "chain"], "no pair here runs our driver"),
+    (["--pairs", "dpdk/dpdk", "--headroom", "128"], "no pair here runs our driver"),
+    (["--headroom", "8"], "need 12 <= headroom < buf_size"),
     (["--study", "tx-cleanup", "--pairs", "ours/dpdk"], "ours/ours only, not ours/dpdk"),
     (["--study", "hdr-prepend", "--pairs", "dpdk/ours"], "ours/ours and ours/dpdk only, not dpdk/ours"),
     (["--tx-hdr", "inline"], "invalid choice"),

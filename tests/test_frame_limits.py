@@ -298,3 +298,28 @@ def test_net_30_macfwd_count_a_restart_overflows_with_its_copies_is_a_warning(ar
     assert bool(hit) == warned, ws
     if warned:
         assert "inject at most 25" in hit[0], hit
+
+
+@pytest.mark.parametrize("fmt", ["--split", "--packed"])
+def test_net_06_net_29_headroom_128_forwards_every_frame(server, sock_path, fmt):
+    """--headroom 128 (each frame on a cache line, its header in the line before, where the Tx header goes and the
+    Rx header lands): 128 frames forward through our backend with nothing missing or bad; with --buf-size 192 a
+    posted Rx buffer (76 bytes) holds a 64-byte frame and its header exactly. A headroom the header does not fit,
+    or one that leaves no data room, is refused before connecting."""
+    rc, out, err = driver(sock_path, fmt, "--headroom", 128, "--count", 128, "--verify", "--seconds", 0.5,
+                          "--drain", 0.5)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["config"]["headroom"] == 128
+    assert res["verify"]["missing"] == 0 and res["verify"]["bad"] == 0 and res["tx"]["dropped"] == 0, res
+    assert res["tx"]["fast_path"] > 0 and res["tx"]["slow_path"] == 0, res["tx"]
+    rc, out, err = driver(sock_path, fmt, "--headroom", 128, "--buf-size", 192, "--count", 64, "--verify",
+                          "--seconds", 0.5, "--drain", 0.5)
+    assert rc == 0, err
+    assert json.loads(out)["rx"]["merged"] == 0
+    connections = server.server.connections
+    for bad in ((8, 2048), (2048, 2048), (192, 192)):
+        rc, out, err = driver(sock_path, "--headroom", bad[0], "--buf-size", bad[1], "--seconds", 1)
+        assert rc == 2 and out == "", (bad, rc, out[-300:], err)
+        assert f"need 12 <= headroom < buf_size and buf_size a multiple of 64 (headroom={bad[0]}" in err, err
+    assert server.server.connections == connections, "refused before connecting"

@@ -68,7 +68,8 @@ def _run(tmp_path, *args, timeout=120):
 @pytest.mark.parametrize("args,says", [
     (["--cpus", "0,4096"], "may run on CPUs"),
     (["--cpus", "0"], "--cpus: DEVICE,DRIVER"),
-    (["--variants", "dpdk --burst 8"], "extra arguments are for our driver only"),
+    (["--variants", "dpdk --burst 8"], "DPDK's driver takes --no-mrg-rxbuf only"),
+    (["--variants", "dpdk --no-mrg-rxbuf --burst 8"], "other arguments are for our driver"),
     (["--variants", "ours;testpmd"], "dpdk, ours, ours@TREE or DRIVER/DEVICE"),
     (["--variants", "ours/vhost"], "dpdk, ours, ours@TREE or DRIVER/DEVICE"),
     (["--variants", "ours@/"], "is not a checkout of this project"),

@@ -139,6 +139,37 @@ def test_net_06_header_slot_written_exactly(hdr, hdr_init, legacy):
     nq.close()
 
 
+@pytest.mark.parametrize("path", ["split", "packed_in_order", "legacy"])
+@pytest.mark.parametrize("headroom", [128, 140])
+def test_net_06_headroom_header_rewritten_whichever_byte_differs(headroom, path):
+    """The headroom header is stored only where it differs from the burst's template (a header line nobody changes
+    stays shared between the two cores). One byte left over anywhere in it, num_buffers as the device's Rx header
+    left it above all (NET-29), still gets the whole header rewritten (12 bytes, or 10 for a legacy driver); the
+    frame after it is untouched. --headroom 128 starts each frame on a cache line, 140 its header."""
+    from conftest import NET_VARIANTS
+    nq, dev = make(NET_VARIANTS.get(path, 0), headroom=headroom)
+    hs, pool = nq.hdr_size, nq.pool
+    assert pool.headroom == headroom and hs == (10 if path == "legacy" else 12)
+    for leftover in (None, *range(hs)):   # None: the header is the template already
+        idx = pool.alloc(4)
+        for k, b in enumerate(idx):
+            pool.write(b, bytes([k + 1]) * 60)
+            frame = int(b) * pool.stride + headroom
+            assert (pool.gpa + frame) % 64 == (0 if headroom == 128 else 12)
+            pool.mem[frame - hs:frame] = 0
+            if leftover is not None:
+                pool.mem[frame - hs + leftover] = 1 << k
+        assert nq.tx.burst(idx, np.full(4, 60, np.uint32)) == 4
+        ch = dev.poll()
+        for k in range(4):
+            (addr, length, _), = ch.segments(k)
+            assert nq.mem.table.read(addr, length) == bytes(hs) + bytes([k + 1]) * 60, (leftover, k)
+        dev.push_used(ch.id, np.zeros(ch.n))
+        dev.flush()
+        assert nq.tx.cleanup(0) == 4
+    nq.close()
+
+
 @pytest.mark.parametrize("hdr", ["chain", "indirect"])
 def test_full_ring_leaves_in_flight_header_slots_alone(variant, hdr):
     """A packet that does not fit a full ring writes no header slot: the next id's slot still belongs to a buffer

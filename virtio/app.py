@@ -45,6 +45,7 @@ from rings.ctl import ControlServer
 
 from .ledger import SEQ_BAD, SEQ_MASK, Ledger, count_seqs, population
 from .net import PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, frame_segments
+from .pool import HEADROOM, check_geometry
 from .session import Session
 
 
@@ -80,7 +81,8 @@ class DriverConfig:
     timeout: float = 5.0
     pin: int | None = None
     nbufs: int = 0
-    buf_size: int = 2048      # pool buffer size (headroom 140 included); small buffers make Rx merge
+    buf_size: int = 2048      # pool buffer size (headroom included); small buffers make Rx merge
+    headroom: int = HEADROOM  # pool buffers' headroom: the Tx header goes into its last bytes, the Rx header lands there
     ctl: str | None = None    # control socket for `vring dump --ctl` (queues "rx" and "tx")
     pcap: str | None = None   # write the frames sent and received (Python once per burst while capturing)
     pcap_count: int = 10000   # at most this many frames (0: no limit)
@@ -105,19 +107,21 @@ class DriverConfig:
         """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
         returns warnings (spec SHOULDs the configuration does not meet, and frames DPDK's net_vhost never delivers)."""
         frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
+        check_geometry(self.buf_size, self.headroom)
+        geometry = dict(buf_size=self.buf_size, headroom=self.headroom)
         # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
         # a macfwd without --count forwards what it receives, whatever its size
         builds = self.mode in ("txonly", "rate") or (self.mode == "macfwd" and self.count > 0)
         tx_slots = 1
         if builds:
-            _, tx_slots = check_tx_frame(frame, features, self.ring_size, self.buf_size, hdr=self.tx_hdr,
+            _, tx_slots = check_tx_frame(frame, features, self.ring_size, **geometry, hdr=self.tx_hdr,
                                          force_slow=self.force_slow)
         # frames received that are known to be --pkt-size: our own coming back, or the ones --verify expects
         receives = (builds and self.mode != "txonly") or (self.mode == "rxonly" and self.verify)
-        warnings = check_rx_frame(frame if receives else None, features, self.buf_size, ring_size=self.ring_size)
+        warnings = check_rx_frame(frame if receives else None, features, **geometry, ring_size=self.ring_size)
         if self.mode == "macfwd" and self.count:
             restarts = (self.reconnect or self.server) and self.inflight is not False   # a successor takes again
-            warnings += check_injected(self.count, frame, features, self.ring_size, self.buf_size, tx_slots=tx_slots,
+            warnings += check_injected(self.count, frame, features, self.ring_size, **geometry, tx_slots=tx_slots,
                                        restarts=restarts)
         return warnings
 
@@ -197,9 +201,10 @@ def run(cfg: DriverConfig, on_ready=None):
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         features = sess.establish(up_until, lambda: stop.flag)
-        segs = frame_segments(max(cfg.pkt_size, packets.MIN_SIZE), cfg.buf_size)
+        segs = frame_segments(max(cfg.pkt_size, packets.MIN_SIZE), cfg.buf_size, cfg.headroom)
         nbufs = cfg.nbufs or max(4096, 4 * cfg.ring_size + 8 * cfg.burst + cfg.count * segs)
         nq = NetQueues(features, size=cfg.ring_size, nbufs=nbufs, burst=cfg.burst, buf_size=cfg.buf_size,
+                       headroom=cfg.headroom,
                        callfds=fe.callfds, force_slow=cfg.force_slow, hdr=cfg.tx_hdr,
                        hdr_init=cfg.hdr_init, doorbell=cfg.doorbell, publish_every=cfg.tx_publish)
         if cfg.ctl:

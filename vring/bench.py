@@ -57,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 
 from rings.interrupts import held_back
 from virtio.net import TX_HDR   # vring driver --tx-hdr
+from virtio.pool import HEADROOM   # vring driver --headroom
 
 PATHS = {  # name -> (packed, in_order)
     "split-normal": (False, False),
@@ -179,6 +180,7 @@ class BenchConfig:
     txq_flush: str = "rx-batch"    # our device only
     mrg_rxbuf: bool = True
     tx_hdr: str = "headroom"       # our driver: where its Tx virtio-net header goes (vring driver --tx-hdr)
+    headroom: int = HEADROOM       # our driver: its buffers' headroom (vring driver --headroom)
     seconds: float = 10.0          # measured seconds per point (after the warm-up)
     warmup: float = 2.0
     interval: float = 0.5
@@ -239,7 +241,7 @@ class BenchConfig:
             for size in self.pkt_sizes:
                 try:
                     DriverConfig("", ring_size=self.ring_size, mode="macfwd", count=self.inject, pkt_size=size,
-                                 mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr).check()
+                                 mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=self.headroom).check()
                 except ConfigError as e:
                     raise ValueError(f"our driver, --pkt-size {size}: {e}") from None
         if self.rates:
@@ -339,6 +341,8 @@ def pinning_note(cfg):
     line = f"pinned: device on CPU {cfg.device_cpu}, driver on CPU {cfg.driver_cpu} ({how})"
     if cfg.tx_hdr != "headroom" and any(p.startswith("ours/") for p in cfg.pairs):
         line += f"; our driver's Tx header: --tx-hdr {cfg.tx_hdr}"
+    if cfg.headroom != HEADROOM and any(p.startswith("ours/") for p in cfg.pairs):
+        line += f"; our driver's headroom: --headroom {cfg.headroom}"
     if cfg.device_cpu == cfg.driver_cpu:
         line += ("\nWARNING: both sides share CPU %d: the figures measure time sharing on one CPU, not the rings "
                  "(give two CPUs with --cpus, or run where two are allowed)" % cfg.device_cpu)
@@ -559,6 +563,7 @@ class Measurement:
                               "--packed" if self.packed else "--split",
                               "--in-order" if self.in_order else "--no-in-order",
                               "--mrg-rxbuf" if cfg.mrg_rxbuf else "--no-mrg-rxbuf", "--tx-hdr", cfg.tx_hdr,
+                              "--headroom", cfg.headroom,
                               "--burst", cfg.burst, "--ring-size", cfg.ring_size, "--pkt-size", self.size,
                               "--seconds", watchdog, "--timeout", 10, "--latency-warmup", cfg.warmup)
             if rate is None:

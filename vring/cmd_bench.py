@@ -76,6 +76,9 @@ def register(sub):
                    help="our driver: its Tx virtio-net header in the packet's headroom (1 descriptor, default), in a "
                         "descriptor of its own chained before the data (2 descriptors), or indirect (vring driver "
                         "--tx-hdr). In front of DPDK's net_vhost, chain can be the faster: see README.md, Benchmarks")
+    g.add_argument("--headroom", type=int, default=bench.HEADROOM, metavar="BYTES",
+                   help=f"our driver: its buffers' headroom (vring driver --headroom; default {bench.HEADROOM}, 128 "
+                        f"starts each frame on a cache line)")
     n = p.add_argument_group("notifications, offered load, studies")
     n.add_argument("--notify", action="store_true",
                    help="run our sides with notifications (vring vhost --idle sleep, vring driver --wait) instead "
@@ -137,6 +140,8 @@ def config_from_args(args):
         pairs = pairs + ["dpdk/dpdk"]
     if args.tx_hdr != "headroom" and not any(p.startswith("ours/") for p in pairs):
         raise ValueError("--tx-hdr places our driver's Tx header: no pair here runs our driver")
+    if args.headroom != bench.HEADROOM and not any(p.startswith("ours/") for p in pairs):
+        raise ValueError("--headroom sizes our driver's buffers: no pair here runs our driver")
     paths, ring = args.paths, args.ring_size
     if args.study:
         study = studies.get(args.study)
@@ -168,6 +173,7 @@ def config_from_args(args):
     cfg = bench.BenchConfig(pairs=pairs, paths=paths or list(bench.PATHS), pkt_sizes=args.pkt_size,
                             burst=args.burst, ring_size=256 if ring is None else ring, inject=args.inject, retries=args.retries,
                             txq_flush=args.txq_flush, mrg_rxbuf=args.mrg_rxbuf, tx_hdr=args.tx_hdr,
+                            headroom=args.headroom,
                             seconds=args.seconds, warmup=args.warmup, interval=args.interval, repeat=args.repeat,
                             device_cpu=dev_cpu, driver_cpu=drv_cpu, cpu_choice=how, modes=modes,
                             rates=args.rate or [], idle_first=idle, idle_polls=args.idle_polls, study=args.study,

@@ -8,6 +8,7 @@ from rings.errors import ConfigError
 from rings.layout import check_size
 from virtio.app import DriverConfig, run
 from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
+from virtio.pool import HEADROOM
 
 from . import snapshot_options
 
@@ -58,8 +59,12 @@ def register(sub):
                    "or until --count for txonly/rxonly)")
     p.add_argument("--pkt-size", type=int, default=64, help="frame size in bytes (without FCS), min 60")
     p.add_argument("--buf-size", type=int, default=2048,
-                   help="pool buffer size incl. 140 B headroom (small buffers: chained Tx, merged Rx; at 192 a 64-byte "
+                   help="pool buffer size incl. the headroom (small buffers: chained Tx, merged Rx; at 192 a 64-byte "
                         "frame takes 2 buffers, so the Rx ring holds half as many frames)")
+    p.add_argument("--headroom", type=int, default=HEADROOM, metavar="BYTES",
+                   help=f"bytes before the frame in each buffer; the Rx header lands in the last 12 and the Tx header "
+                        f"goes there (default {HEADROOM}: header and frame start share a cache line; 128: the frame "
+                        f"starts a line, as in DPDK's mbufs)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
     p.add_argument("--strict", action="store_true",
                    help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
@@ -164,7 +169,7 @@ def main(args):
         version_1=args.version_1, event_idx=args.event_idx, indirect=args.indirect, ring_size=args.ring_size,
         burst=args.burst, mode=args.mode, count=args.count, seconds=args.seconds, pkt_size=args.pkt_size,
         dst_mac=args.dst_mac, src_mac=args.src_mac, verify=args.verify, stamp=args.stamp, latency=args.latency, wait=args.wait,
-        force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, drain=args.drain, timeout=args.timeout, pin=args.pin,
+        force_slow=args.force_slow, spin=args.spin, buf_size=args.buf_size, headroom=args.headroom, drain=args.drain, timeout=args.timeout, pin=args.pin,
         ctl=args.ctl, pcap=args.pcap, pcap_count=args.pcap_count, rate=args.rate,
         latency_warmup=args.latency_warmup, idle_first=args.idle_first,
         tx_hdr=args.tx_hdr, hdr_init=args.hdr_init, doorbell=args.doorbell, tx_publish=args.tx_publish,
