@@ -318,8 +318,11 @@ def test_net_06_net_29_headroom_128_forwards_every_frame(server, sock_path, fmt)
     assert rc == 0, err
     assert json.loads(out)["rx"]["merged"] == 0
     connections = server.server.connections
-    for bad in ((8, 2048), (2048, 2048), (192, 192)):
+    # attack63: beyond data_off's 16 bits a traceback after connecting; under 12 data bytes the MAC swap went past
+    # the first buffer's frame bytes, under 50 the timestamp went unwritten (latency silently not measured)
+    for bad in ((8, 2048), (2048, 2048), (192, 192), (65600, 65664), (2040, 2048), (2000, 2048), (141, 192)):
         rc, out, err = driver(sock_path, "--headroom", bad[0], "--buf-size", bad[1], "--seconds", 1)
         assert rc == 2 and out == "", (bad, rc, out[-300:], err)
-        assert f"need 12 <= headroom < buf_size and buf_size a multiple of 64 (headroom={bad[0]}" in err, err
+        assert "need 12 <= headroom <= 65535, buf_size - headroom >= 52 (a frame's MACs and timestamp in its first " \
+               f"buffer) and buf_size a multiple of 64 (headroom={bad[0]}, buf_size={bad[1]})" in err, err
     assert server.server.connections == connections, "refused before connecting"

@@ -21,10 +21,18 @@ NONE = 0xFFFFFFFF
 HEADROOM = 128 + 12
 
 
+#: Data bytes a buffer holds at least after its headroom: the data path reads and writes a frame's MACs (macfwd
+#: swaps them in place) and its timestamp (packets.TS_OFF, 8 bytes) in its first buffer only. 52 is what the
+#: smallest buffer (192) leaves after the default headroom.
+MIN_ROOM = 52
+MAX_HEADROOM = 0xFFFF   # data_off is 16 bits
+
+
 def check_geometry(buf_size, headroom):
     """Buffers the pool can be made of (ConfigError otherwise)."""
-    if headroom < 12 or headroom >= buf_size or buf_size % 64:
-        raise ConfigError(f"pool: need 12 <= headroom < buf_size and buf_size a multiple of 64 "
+    if not 12 <= headroom <= MAX_HEADROOM or buf_size - headroom < MIN_ROOM or buf_size % 64:
+        raise ConfigError(f"pool: need 12 <= headroom <= {MAX_HEADROOM}, buf_size - headroom >= {MIN_ROOM} (a "
+                          f"frame's MACs and timestamp in its first buffer) and buf_size a multiple of 64 "
                           f"(headroom={headroom}, buf_size={buf_size})")
 
 

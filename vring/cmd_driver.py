@@ -62,9 +62,9 @@ def register(sub):
                    help="pool buffer size incl. the headroom (small buffers: chained Tx, merged Rx; at 192 a 64-byte "
                         "frame takes 2 buffers, so the Rx ring holds half as many frames)")
     p.add_argument("--headroom", type=int, default=HEADROOM, metavar="BYTES",
-                   help=f"bytes before the frame in each buffer; the Rx header lands in the last 12 and the Tx header "
-                        f"goes there (default {HEADROOM}: header and frame start share a cache line; 128: the frame "
-                        f"starts a line, as in DPDK's mbufs)")
+                   help=f"bytes before the frame in each buffer; the Rx header lands in its last 12 (10 without "
+                        f"VERSION_1), the Tx header goes there (default {HEADROOM}: header and frame start share a "
+                        f"cache line; 128: the frame starts a line, as in DPDK's mbufs)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
     p.add_argument("--strict", action="store_true",
                    help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
