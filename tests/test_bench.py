@@ -231,6 +231,7 @@ def _processes_mentioning(text):
     (["--pairs", "dpdk/dpdk", "--headroom", "128"], "no pair here runs our driver"),
     (["--headroom", "8"], "need 12 <= headroom <= 65535"),
     (["--headroom", "2000"], "buf_size - headroom >= 52"),
+    (["--headroom", "1000", "--no-mrg-rxbuf", "--pkt-size", "1514"], "the knobs here are --mrg-rxbuf and --headroom"),
     (["--study", "tx-cleanup", "--pairs", "ours/dpdk"], "ours/ours only, not ours/dpdk"),
     (["--study", "hdr-prepend", "--pairs", "dpdk/ours"], "ours/ours and ours/dpdk only, not dpdk/ours"),
     (["--tx-hdr", "inline"], "invalid choice"),

@@ -243,7 +243,11 @@ class BenchConfig:
                     DriverConfig("", ring_size=self.ring_size, mode="macfwd", count=self.inject, pkt_size=size,
                                  mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=self.headroom).check()
                 except ConfigError as e:
-                    raise ValueError(f"our driver, --pkt-size {size}: {e}") from None
+                    why = str(e)
+                    if "buffer size of at least" in why:   # vring driver's advice; bench has no --buf-size
+                        why += (f" (vring bench gives our driver {DriverConfig.buf_size}-byte buffers: the knobs here "
+                                f"are --mrg-rxbuf and --headroom)")
+                    raise ValueError(f"our driver, --pkt-size {size}: {why}") from None
         if self.rates:
             dpdk_drivers = [p for p in self.pairs if p.startswith("dpdk/")]
             if dpdk_drivers:
