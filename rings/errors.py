@@ -14,6 +14,15 @@ class ConfigError(VringError, ValueError):
     """A wrong argument or configuration (queue size, layout, feature combination)."""
 
 
+class FrameDoesNotFit(ConfigError):
+    """Frames of the configured size could never be carried by the queues as configured; ``fit_buf_size`` is the
+    smallest buffer size that would carry them (None when no buffer size would)."""
+
+    def __init__(self, message, fit_buf_size=None):
+        super().__init__(message)
+        self.fit_buf_size = fit_buf_size
+
+
 class FeatureRefused(ConfigError):
     """The vhost-user peer does not offer (or did not accept) a feature we were asked to use."""
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from rings.errors import ConfigError
+from rings.errors import ConfigError, FrameDoesNotFit
 from rings.layout import VIRTIO_F_INDIRECT_DESC, VIRTIO_NET_F_MRG_RXBUF, bit
 from virtio import packets
 from virtio._net import ffi, lib
@@ -90,7 +90,7 @@ def test_split_d_05_driver_refuses_a_frame_longer_than_the_ring_at_start(server,
     rc, out, err = driver(sock_path, "--pkt-size", 9000, "--buf-size", BUF, "--ring-size", 64, "--seconds", 1,
                           "--timeout", 5, *args)
     assert rc == 2 and out == "", (rc, out[-300:], err)
-    assert f"vring driver: ConfigError: a 9000-byte frame takes {JUMBO_DESCS} descriptors on transmitq" in err, err
+    assert f"vring driver: FrameDoesNotFit: a 9000-byte frame takes {JUMBO_DESCS} descriptors on transmitq" in err, err
     assert "more than the queue size 64" in err and "ring size of at least 128" in err, err
     assert server.server.connections == 0, "refused before connecting"
     assert time.monotonic() - t0 < 30
@@ -127,7 +127,7 @@ def test_net_27_without_mrg_rxbuf_a_frame_larger_than_an_rx_buffer_is_refused(se
     12-byte header) and drops what does not fit: the run used to lose every frame and exit 0."""
     rc, out, err = driver(sock_path, "--no-mrg-rxbuf", "--pkt-size", 1909, "--seconds", 1, *mode)
     assert rc == 2 and out == "", (rc, out[-300:], err)
-    assert ("vring driver: ConfigError: a 1909-byte frame and its 12-byte header do not fit one 1920-byte Rx "
+    assert ("vring driver: FrameDoesNotFit: a 1909-byte frame and its 12-byte header do not fit one 1920-byte Rx "
             "buffer") in err and "NET-27" in err and "buffer size of at least 2112" in err, err
     assert server.server.connections == 0, "refused before connecting"
 
@@ -254,9 +254,12 @@ def test_net_30_rxonly_verify_refuses_a_frame_longer_than_the_rx_ring_holds(ring
     A ring of exactly 71 is one DPDK's net_vhost cannot fill (see below): a warning."""
     cfg = DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly", verify=True)
     if refused:
-        with pytest.raises(ConfigError, match="9000-byte frame and its 12-byte header take 71 Rx buffers of 128 "
-                                              "bytes .NET-30., more than the Rx ring's 70 entries"):
+        with pytest.raises(FrameDoesNotFit, match="9000-byte frame and its 12-byte header take 71 Rx buffers of "
+                                                  "128 bytes .NET-30., more than the Rx ring's 70 entries") as e:
             cfg.check()
+        # ceil(9012 / 70) = 129 bytes a buffer: 129 - 12 + 140 = 257, a pool buffer of 320
+        assert e.value.fit_buf_size == 320 and "buffer size of at least 320" in str(e.value)
+        DriverConfig("", ring_size=ring, buf_size=320, pkt_size=9000, mode="rxonly", verify=True).check()
     else:
         assert (cfg.check() == []) == (ring == 72)
     DriverConfig("", ring_size=ring, buf_size=BUF, pkt_size=9000, mode="rxonly").check()   # sizes not known

@@ -17,7 +17,7 @@ import numpy as np
 from rings import vhost_user as vu
 from rings import virtq as _virtq
 from rings._virtq import ffi as rings_ffi
-from rings.errors import ConfigError
+from rings.errors import ConfigError, FrameDoesNotFit
 from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, QueueLayout, align_up, has)
 from rings.shm import MemoryTable, ShmRegion
@@ -139,11 +139,11 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
     how = " in one indirect table" if slots == 1 else ""
     bufs = f"{chain - 1} buffer{'s' if chain > 2 else ''}"
     fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
-    raise ConfigError(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} "
+    raise FrameDoesNotFit(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} "
                       f"of {room} data bytes + 1 for the virtio-net header), more than the queue size {size}: no "
                       f"chain may be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of "
                       f"at least {1 << (chain - 1).bit_length()}"
-                      + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""))
+                      + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""), fit_buf)
 
 
 #: NET-24: without MRG_RXBUF, GUEST_TSO4/TSO6/UFO/USO4/USO6 and HASH_REPORT (this driver never negotiates the
@@ -176,9 +176,11 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
     if has(features, VIRTIO_NET_F_MRG_RXBUF):
         need = rx_buffers(frame_len, features, buf_size, headroom) if frame_len is not None else 0
         if ring_size is not None and need > ring_size:
-            raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} "
-                              f"bytes (NET-30), more than the Rx ring's {ring_size} entries: the device could never "
-                              f"deliver one; use a ring size of at least {need} or a larger buffer size")
+            fit_buf = align_up(-(-(frame_len + hs) // ring_size) - hs + headroom, 64)
+            raise FrameDoesNotFit(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of "
+                                  f"{post} bytes (NET-30), more than the Rx ring's {ring_size} entries: the device "
+                                  f"could never deliver one; use a ring size of at least {need} or a buffer size of "
+                                  f"at least {fit_buf}", fit_buf)
         dpdk = min(DPDK_RX_DESCS_MAX, ring_size - 1 if ring_size is not None else DPDK_RX_DESCS_MAX)
         if need > dpdk:
             return [f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} bytes "
@@ -187,10 +189,11 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
                     + (" or ring size" if need <= DPDK_RX_DESCS_MAX else "")]
         return []
     if frame_len is not None and frame_len + hs > post:
-        raise ConfigError(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx buffer, "
-                          f"and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame (NET-27): every "
-                          f"frame would be dropped; negotiate MRG_RXBUF or use a buffer size of at least "
-                          f"{align_up(frame_len + headroom, 64)}")
+        fit_buf = align_up(frame_len + headroom, 64)
+        raise FrameDoesNotFit(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx "
+                              f"buffer, and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame "
+                              f"(NET-27): every frame would be dropped; negotiate MRG_RXBUF or use a buffer size of "
+                              f"at least {fit_buf}", fit_buf)
     if post < NET_24_RX_MIN:
         return [f"Rx buffers of {post} bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least "
                 f"{NET_24_RX_MIN} (a 1514-byte frame and its header); larger frames will be dropped by the device"]

@@ -226,7 +226,7 @@ class BenchConfig:
             if m not in MODES:
                 raise ValueError(f"unknown mode {m!r}")
         from vhost.datapath import Options   # the backend's own validation of --retries / --txq-flush
-        from rings.errors import ConfigError
+        from rings.errors import ConfigError, FrameDoesNotFit
         try:
             Options(burst=self.burst, retries=self.retries, txq_flush=self.txq_flush, idle_polls=self.idle_polls)
         except ConfigError as e:
@@ -244,7 +244,7 @@ class BenchConfig:
                                  mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=self.headroom).check()
                 except ConfigError as e:
                     why = str(e)
-                    if "buffer size of at least" in why:   # vring driver's advice; bench has no --buf-size
+                    if isinstance(e, FrameDoesNotFit) and e.fit_buf_size:   # bench has no --buf-size to follow that
                         why += (f" (vring bench gives our driver {DriverConfig.buf_size}-byte buffers: the knobs here "
                                 f"are --mrg-rxbuf and --headroom)")
                     raise ValueError(f"our driver, --pkt-size {size}: {why}") from None
@@ -343,10 +343,11 @@ def pinning_note(cfg):
     """The line the output starts with: which CPU each side runs on, and a warning when both share one."""
     how = cfg.cpu_choice.get("chosen", "--cpus")
     line = f"pinned: device on CPU {cfg.device_cpu}, driver on CPU {cfg.driver_cpu} ({how})"
-    if cfg.tx_hdr != "headroom" and any(p.startswith("ours/") for p in cfg.pairs):
-        line += f"; our driver's Tx header: --tx-hdr {cfg.tx_hdr}"
-    if cfg.headroom != HEADROOM and any(p.startswith("ours/") for p in cfg.pairs):
-        line += f"; our driver's headroom: --headroom {cfg.headroom}"
+    if any(p.startswith("ours/") for p in cfg.pairs):
+        if cfg.tx_hdr != "headroom":
+            line += f"; our driver's Tx header: --tx-hdr {cfg.tx_hdr}"
+        if cfg.headroom != HEADROOM:
+            line += f"; our driver's headroom: --headroom {cfg.headroom}"
     if cfg.device_cpu == cfg.driver_cpu:
         line += ("\nWARNING: both sides share CPU %d: the figures measure time sharing on one CPU, not the rings "
                  "(give two CPUs with --cpus, or run where two are allowed)" % cfg.device_cpu)

@@ -138,10 +138,11 @@ def config_from_args(args):
         raise ValueError(f"--study {args.study} compares variants of our side: no --vs-dpdk (dpdk/dpdk has none)")
     if args.vs_dpdk and "dpdk/dpdk" not in pairs:
         pairs = pairs + ["dpdk/dpdk"]
-    if args.tx_hdr != "headroom" and not any(p.startswith("ours/") for p in pairs):
-        raise ValueError("--tx-hdr places our driver's Tx header: no pair here runs our driver")
-    if args.headroom != bench.HEADROOM and not any(p.startswith("ours/") for p in pairs):
-        raise ValueError("--headroom sizes our driver's buffers: no pair here runs our driver")
+    if not any(p.startswith("ours/") for p in pairs):
+        for given, why in ((args.tx_hdr != "headroom", "--tx-hdr places our driver's Tx header"),
+                           (args.headroom != bench.HEADROOM, "--headroom sizes our driver's buffers")):
+            if given:
+                raise ValueError(f"{why}: no pair here runs our driver")
     paths, ring = args.paths, args.ring_size
     if args.study:
         study = studies.get(args.study)
