@@ -12,11 +12,11 @@ A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``s
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver
 (``dpdk --no-mrg-rxbuf``: virtio_user without MRG_RXBUF, the only argument DPDK's driver takes);
 ``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
-a code change). Each variant at most once; --inject at most the rings' 256 (a multiple of 32 with DPDK's driver).
-Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with --record-burst-stats and
---record-core-cycles: the share of its dequeues that found nothing and its busy cycles per packet, medians over
-slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd
-macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
+a code change); our driver is asked first (`vring driver --check`) whether it takes a variant's arguments, so a
+refused one stops the run before any pair starts. Each variant at most once; --inject at most the rings' 256 (a
+multiple of 32 with DPDK's driver). Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with
+--record-burst-stats and --record-core-cycles: the share of its dequeues that found nothing and its busy cycles
+per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
 matrix are compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our
 backend's --stats-interval lines, over the slice.
 
@@ -246,6 +246,31 @@ def _sides(variant, device):
     return (m.group(1), m.group(2), rest) if m else (head, device, rest)
 
 
+def _driver_argv(args, sock, extra, check=False):
+    """Our driver's command line for a variant's extra arguments (macfwd, as `vring bench` runs it); with ``check``,
+    `vring driver --check`: the arguments and what the queues could carry, checked without connecting."""
+    packed, in_order = args.path.startswith("packed"), args.path.endswith("inorder")
+    return [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
+            "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
+            *(() if "--no-mrg-rxbuf" in extra else ("--mrg-rxbuf",)),   # a variant may turn it off
+            "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
+            "--seconds", "86400",
+            "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra, *(("--check",) if check else ())]
+
+
+def _check_driver(variant, args, driver, extra):
+    """Failure, with our driver's own message, when it would refuse the variant's arguments: said before any pair
+    starts, not at the first pair's start with every earlier pair left to stop."""
+    r = subprocess.run(_driver_argv(args, os.path.join(tempfile.gettempdir(), "vring-interleaved-check.sock"),
+                                    extra, check=True),
+                       env=_tree_env(driver), capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        why = (r.stderr.strip() or r.stdout.strip()).splitlines()
+        if why and why[-1].endswith("unrecognized arguments: --check"):   # a tree from before --check: unchecked
+            return
+        raise Failure(f"variant {variant!r}: our driver refuses it: {why[-1] if why else f'exit {r.returncode}'}")
+
+
 class Pair:
     def __init__(self, variant):
         self.name = variant
@@ -269,29 +294,39 @@ class Pair:
             self.driver.command(f"start tx_first {bursts}" if bursts > 1 else "start tx_first")
             self.driver_pid = self.driver.pid
         else:
-            argv = [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
-                    "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
-                    *(() if "--no-mrg-rxbuf" in extra else ("--mrg-rxbuf",)),   # a variant may turn it off
-                    "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
-                    "--seconds", "86400",
-                    "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra]
+            argv = _driver_argv(args, sock, extra)
             self.driver_out = os.path.join(workdir, f"p{k}-driver.out")
             with open(self.driver_out, "w") as f:
                 self.driver = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=_tree_env(driver))
             self.driver_pid = self.driver.pid
         self.pids = [self.device.pid, self.driver_pid]
 
-    def check(self):
-        """Raise, with the tail of what the dead one printed, if the device or the driver exited. The device first:
-        a driver whose device died exits too (PeerGone), and the cause is the device."""
-        if not self.device.alive():
-            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}")
+    def _driver_gone(self):
+        """What the driver printed last, if it exited (None while it runs)."""
         if isinstance(self.driver, subprocess.Popen):
             if self.driver.poll() is not None:
-                raise Failure(f"{self.name}: the driver exited ({self.driver.returncode}):\n{_tail(self.driver_out)}")
+                return f"the driver exited ({self.driver.returncode}):\n{_tail(self.driver_out)}"
         elif not self.driver.running:
-            raise Failure(f"{self.name}: testpmd virtio_user exited (status {self.driver.returncode}):\n"
-                          + "\n".join(self.driver.log.splitlines()[-12:]))
+            return (f"testpmd virtio_user exited (status {self.driver.returncode}):\n"
+                    + "\n".join(self.driver.log.splitlines()[-12:]))
+        return None
+
+    def check(self):
+        """Raise, with the tail of what the dead one printed, if the device or the driver exited. Both, when both
+        did: a driver whose device died exits too (PeerGone), and a device that serves one connection exits when
+        its driver did (a --pcap path the driver could not create); each one's words say which was first."""
+        driver = self._driver_gone()
+        if not self.device.alive():
+            if driver is None and isinstance(self.driver, subprocess.Popen):
+                try:   # a driver that failed may close its socket (the device then exits) before it is gone
+                    self.driver.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    pass
+                driver = self._driver_gone()
+            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}"
+                          + (f"\n{self.name}: {driver}" if driver else ""))
+        if driver:
+            raise Failure(f"{self.name}: {driver}")
 
     def slice(self, seconds, cpus, keep=True):
         """Run the pair for `seconds`; its rate and net_vhost's dequeue counts over that time.  Those counts are
@@ -449,6 +484,8 @@ def main():
             for side in (driver, device):
                 if side != "dpdk":
                     _tree(side)
+            if driver != "dpdk":
+                _check_driver(v, args, driver, extra)
     except Failure as e:
         ap.error(str(e))
     if any("dpdk" in s[:2] for s in sides) and dpdk.skip_reason():

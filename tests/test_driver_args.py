@@ -39,6 +39,32 @@ def test_packed_any_size_and_allowed_cpu_pass_the_check(tmp_path, capsys):
     assert rc == 2 and "PeerGone" in capsys.readouterr().err   # got as far as connecting
 
 
+@pytest.mark.parametrize("argv, rc, out_words, err_words", [
+    # what the queues can carry: exit 0, nothing connected (nobody listens on the socket; no PeerGone)
+    ([], 0, "the configuration checks out (0 warnings); not connected", None),
+    # NET-24 (a SHOULD): 256-byte Rx buffers without MRG_RXBUF, a warning and still exit 0
+    (["--no-mrg-rxbuf", "--buf-size", "384"], 0, "(1 warning)", "NET-24"),
+    # NET-27: a 1500-byte frame in one 256-byte Rx buffer: refused, with the buffer size that would carry it
+    (["--no-mrg-rxbuf", "--buf-size", "384", "--pkt-size", "1500", "--mode", "macfwd", "--count", "32"], 2, None,
+     "FrameDoesNotFit: a 1500-byte frame and its 12-byte header do not fit one 256-byte Rx buffer"),
+    (["--headroom", "2000"], 2, None, "ConfigError: pool: need 12 <= headroom"),
+    (["--ring-size", "3"], 2, None, "--ring-size: split queue size must be a power of 2"),
+])
+def test_check_says_whether_a_run_could_start_without_connecting(tmp_path, capsys, argv, rc, out_words, err_words):
+    got = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check"] + argv)
+    out, err = capsys.readouterr()
+    assert got == rc, (out, err)
+    assert "PeerGone" not in err and not (tmp_path / "nobody.sock").exists()
+    if out_words:
+        assert out_words in out, out
+    else:
+        assert out == "", out
+    if err_words:
+        assert err.startswith("vring driver: ") and err_words in err, err
+    else:
+        assert err == "", err
+
+
 @pytest.mark.parametrize("n", ["0", "-1"])
 def test_vhost_max_connections_below_one_is_a_usage_error(tmp_path, capsys, n):
     """`vring vhost --max-connections 0` (or -1) listened, served nobody and exited 0 at once (attack24)."""

@@ -127,10 +127,28 @@ def test_a_short_run_measures_every_variant_and_cleans_up(tmp_path):
     _assert_clean(tmp_path)
 
 
+@pytest.mark.parametrize("variant, says", [
+    ("ours --ring-size 7", "must be a power of 2, got 7"),
+    ("ours --frobnicate", "unrecognized arguments: --frobnicate"),
+    ("ours --headroom 2000", "headroom"),
+    ("ours --no-mrg-rxbuf --headroom 1990", "FrameDoesNotFit"),   # a 64-byte frame and its header in 70 bytes
+])
+def test_our_drivers_arguments_are_checked_before_any_pair_starts(tmp_path, variant, says):
+    """s36: a variant our driver refuses used to fail at its pair's start, every earlier pair started and stopped
+    again; `vring driver --check` now says so first, in the driver's own words."""
+    r = _run(tmp_path, *SHORT, "--variants", f"ours;{variant}", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"variant {variant!r}: our driver refuses it" in r.stderr and says in r.stderr, r.stderr
+    assert "round" not in r.stdout, r.stdout
+    _assert_clean(tmp_path)
+
+
 def test_a_driver_that_exits_at_start_is_reported_with_its_own_words(tmp_path):
-    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --ring-size 7")
+    """What --check cannot see (a --pcap path that cannot be created) still ends the run with the driver's words."""
+    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --pcap /nonexistent/dir/x.pcap")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "ours --ring-size 7: the driver exited" in r.stderr and "must be a power of 2, got 7" in r.stderr
+    assert "ours --pcap /nonexistent/dir/x.pcap: the driver exited" in r.stderr, r.stderr
+    assert "FileNotFoundError" in r.stderr and "/nonexistent/dir/x.pcap" in r.stderr, r.stderr
     _assert_clean(tmp_path)
 
 

@@ -66,6 +66,10 @@ def register(sub):
                         f"VERSION_1), the Tx header goes there (default {HEADROOM}: header and frame start share a "
                         f"cache line; 128: the frame starts a line, as in DPDK's mbufs)")
     p.add_argument("--json", action="store_true", help="print the counters as JSON")
+    p.add_argument("--check", action="store_true",
+                   help="check the arguments and what the queues could carry (chain lengths, Rx buffers, injected "
+                        "frames), print the warnings, and exit without connecting: 0 when the run could start, 2 "
+                        "with the reason when it could not")
     p.add_argument("--strict", action="store_true",
                    help="exit 2 when Tx buffers are still in flight at exit (the backend never completed "
                         "them); without it that is a warning (and tx_unfinished in the counters)")
@@ -181,6 +185,17 @@ def main(args):
     if error:
         print(f"vring driver: {error}", file=sys.stderr)
         return 2
+    if args.check:
+        try:
+            warnings = cfg.check()
+        except ConfigError as e:
+            print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        for w in warnings:
+            print(f"vring driver: warning: {w}", file=sys.stderr)
+        print(f"vring driver: the configuration checks out ({len(warnings)} warning{'s' * (len(warnings) != 1)}); "
+              f"not connected")
+        return 0
     try:
         res = run(cfg)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
