@@ -16,9 +16,10 @@ a code change); our driver is asked first (`vring driver --check`) whether it ta
 refused one stops the run before any pair starts. Each variant at most once; --inject at most the rings' 256 (a
 multiple of 32 with DPDK's driver). Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with
 --record-burst-stats and --record-core-cycles: the share of its dequeues that found nothing and its busy cycles
-per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that
-matrix are compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our
-backend's --stats-interval lines, over the slice.
+per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A
+variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that matrix are
+compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our backend's
+--stats-interval lines, over the slice.
 
     python3 benchmarks/interleaved.py --path packed --inject 32 --variants 'dpdk;ours;ours --tx-publish 8'
     python3 benchmarks/interleaved.py --device ours --path split --variants 'ours;ours@/tmp/other-checkout'
