@@ -139,11 +139,11 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
     how = " in one indirect table" if slots == 1 else ""
     bufs = f"{chain - 1} buffer{'s' if chain > 2 else ''}"
     fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
-    raise FrameDoesNotFit(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} "
-                      f"of {room} data bytes + 1 for the virtio-net header), more than the queue size {size}: no "
-                      f"chain may be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of "
-                      f"at least {1 << (chain - 1).bit_length()}"
-                      + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""), fit_buf)
+    raise FrameDoesNotFit(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} of {room} "
+                          f"data bytes + 1 for the virtio-net header), more than the queue size {size}: no chain may "
+                          f"be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of at least "
+                          f"{1 << (chain - 1).bit_length()}"
+                          + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""), fit_buf)
 
 
 #: NET-24: without MRG_RXBUF, GUEST_TSO4/TSO6/UFO/USO4/USO6 and HASH_REPORT (this driver never negotiates the
