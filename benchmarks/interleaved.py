@@ -12,8 +12,9 @@ A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``s
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver
 (``dpdk --no-mrg-rxbuf``: virtio_user without MRG_RXBUF, the only argument DPDK's driver takes);
 ``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
-a code change); our driver is asked first (`vring driver --check`) whether it takes a variant's arguments, so a
-refused one stops the run before any pair starts. Each variant at most once; --inject at most the rings' 256 (a
+a code change). Our driver is asked first (`vring driver --check`) whether it takes a variant's arguments, and
+the options this tool sets itself (OWNED: --socket, --seconds, --mode, ...) are refused, so that a bad variant
+stops the run before any pair starts; what depends on the peer shows at its pair's start. Each variant at most once; --inject at most the rings' 256 (a
 multiple of 32 with DPDK's driver). Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with
 --record-burst-stats and --record-core-cycles: the share of its dequeues that found nothing and its busy cycles
 per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A
@@ -63,6 +64,12 @@ PATHS = ("split", "split-inorder", "packed", "packed-inorder")
 STATS_INTERVAL = 0.05   # our backend's stats lines: several per slice
 RING = 256              # both drivers' queue size
 BUILT = ("rings/_virtq", "virtio/_net", "vhost/_net")   # the C modules a checkout must have built
+# `vring` of the checkout _tree_env names: -P, or `python -m` puts the current directory (this checkout, when run
+# from it) ahead of PYTHONPATH and an ours@TREE would run this checkout's code
+PYTHON = (sys.executable, "-P", "-m", "vring.cli")
+#: our driver's options this tool sets itself: a variant giving one would take the pair out of its hands
+OWNED = ("--socket", "--server", "--reconnect", "--seconds", "--mode", "--count", "--pin", "--check", "--split",
+         "--packed", "--in-order", "--no-in-order")
 
 
 def _writable(path):
@@ -154,7 +161,7 @@ class OurDevice:
     def __init__(self, spec, sock, workdir, cpus):
         self.out = os.path.join(workdir, os.path.basename(sock) + "-device.jsonl")
         self.err = os.path.join(workdir, os.path.basename(sock) + "-device.err")
-        argv = [sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--json", "--stats-interval",
+        argv = [*PYTHON, "vhost", "--socket", sock, "--json", "--stats-interval",
                 str(STATS_INTERVAL), "--pin", str(cpus[0]), "--max-connections", "1", "--fwd", "macswap",
                 "--burst", "32"]
         with open(self.out, "w") as f, open(self.err, "w") as e:
@@ -171,7 +178,9 @@ class OurDevice:
             raise
 
     def why(self):
-        return _tail(self.err) or _tail(self.out) or "(it printed nothing)"
+        rc = self.proc.poll()
+        status = "" if rc is None else f"(exit status {rc})\n" if rc >= 0 else f"(killed by signal {-rc})\n"
+        return status + (_tail(self.err) or _tail(self.out) or "(it printed nothing)")
 
     def count(self):
         """(rx packets, the backend's own time stamp) of its latest stats line, once a fresh one is out."""
@@ -251,7 +260,7 @@ def _driver_argv(args, sock, extra, check=False):
     """Our driver's command line for a variant's extra arguments (macfwd, as `vring bench` runs it); with ``check``,
     `vring driver --check`: the arguments and what the queues could carry, checked without connecting."""
     packed, in_order = args.path.startswith("packed"), args.path.endswith("inorder")
-    return [sys.executable, "-m", "vring.cli", "driver", "--socket", sock, "--pin", str(args.cpus[1]),
+    return [*PYTHON, "driver", "--socket", sock, "--pin", str(args.cpus[1]),
             "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
             *(() if "--no-mrg-rxbuf" in extra else ("--mrg-rxbuf",)),   # a variant may turn it off
             "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
@@ -262,13 +271,14 @@ def _driver_argv(args, sock, extra, check=False):
 def _check_driver(variant, args, driver, extra):
     """Failure, with our driver's own message, when it would refuse the variant's arguments: said before any pair
     starts, not at the first pair's start with every earlier pair left to stop."""
+    env = _tree_env(driver)
+    helps = subprocess.run([*PYTHON, "driver", "--help"], env=env, capture_output=True, text=True, timeout=120)
+    if "--check" not in helps.stdout:   # a tree from before --check: its refusals come at its pair's start
+        return
     r = subprocess.run(_driver_argv(args, os.path.join(tempfile.gettempdir(), "vring-interleaved-check.sock"),
-                                    extra, check=True),
-                       env=_tree_env(driver), capture_output=True, text=True, timeout=120)
+                                    extra, check=True), env=env, capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
         why = (r.stderr.strip() or r.stdout.strip()).splitlines()
-        if why and why[-1].endswith("unrecognized arguments: --check"):   # a tree from before --check: unchecked
-            return
         raise Failure(f"variant {variant!r}: our driver refuses it: {why[-1] if why else f'exit {r.returncode}'}")
 
 
@@ -315,7 +325,7 @@ class Pair:
     def check(self):
         """Raise, with the tail of what the dead one printed, if the device or the driver exited. Both, when both
         did: a driver whose device died exits too (PeerGone), and a device that serves one connection exits when
-        its driver did (a --pcap path the driver could not create); each one's words say which was first."""
+        its driver did (a --pcap path the driver could not write); each one's words say which was first."""
         driver = self._driver_gone()
         if not self.device.alive():
             if driver is None and isinstance(self.driver, subprocess.Popen):
@@ -324,8 +334,10 @@ class Pair:
                 except subprocess.TimeoutExpired:
                     pass
                 driver = self._driver_gone()
-            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}"
-                          + (f"\n{self.name}: {driver}" if driver else ""))
+            if driver:   # which went first is in their words: PeerGone, or the device's "frontend gone"
+                raise Failure(f"{self.name}: both sides exited.\n{self.name}: {driver}\n{self.name}: the device "
+                              f"exited:\n{self.device.why()}")
+            raise Failure(f"{self.name}: the device exited:\n{self.device.why()}")
         if driver:
             raise Failure(f"{self.name}: {driver}")
 
@@ -482,6 +494,12 @@ def main():
                               f"other arguments are for our driver")
             if driver != "dpdk" and driver.split("@")[0] != "ours":
                 raise Failure(f"variant {v!r}: dpdk, ours, ours@TREE or DRIVER/DEVICE, then our driver's arguments")
+            for a in extra:
+                name = a.split("=", 1)[0]
+                owned = [o for o in OWNED if len(name) > 2 and o.startswith(name)] if a.startswith("--") else []
+                if owned:
+                    raise Failure(f"variant {v!r}: {a} is {owned[0]}, which this tool sets itself ("
+                                  f"{', '.join(OWNED)})")
             for side in (driver, device):
                 if side != "dpdk":
                     _tree(side)

@@ -15,12 +15,14 @@ class ConfigError(VringError, ValueError):
 
 
 class FrameDoesNotFit(ConfigError):
-    """Frames of the configured size could never be carried by the queues as configured; ``fit_buf_size`` is the
-    smallest buffer size that would carry them (None when no buffer size would)."""
+    """Frames of the configured size could never be carried by the queues as configured: ``fit_buf_size`` is the
+    smallest buffer size that would carry them, all else equal (None when none would), and ``mrg_rxbuf_helps``
+    says whether negotiating VIRTIO_NET_F_MRG_RXBUF would."""
 
-    def __init__(self, message, fit_buf_size=None):
+    def __init__(self, message, fit_buf_size=None, mrg_rxbuf_helps=False):
         super().__init__(message)
         self.fit_buf_size = fit_buf_size
+        self.mrg_rxbuf_helps = mrg_rxbuf_helps
 
 
 class FeatureRefused(ConfigError):

@@ -231,7 +231,13 @@ def _processes_mentioning(text):
     (["--pairs", "dpdk/dpdk", "--headroom", "128"], "no pair here runs our driver"),
     (["--headroom", "8"], "need 12 <= headroom <= 65535"),
     (["--headroom", "2000"], "buf_size - headroom >= 52"),
-    (["--headroom", "1000", "--no-mrg-rxbuf", "--pkt-size", "1514"], "the knobs here are --mrg-rxbuf and --headroom"),
+    # NET-27: 2048 - 1000 + 12 bytes for a 1514-byte frame and its header; a headroom of 488 leaves 1572
+    (["--headroom", "1000", "--no-mrg-rxbuf", "--pkt-size", "1514"],
+     "the knobs here are --mrg-rxbuf and --headroom 488 or less"),
+    # SPLIT-D-05: 61 buffers of 148 bytes and a header, more than 8 descriptors; 7 of 1300 bytes fit (attack64:
+    # the advice named --mrg-rxbuf, which has nothing to do with Tx chains)
+    (["--ring-size", "8", "--inject", "1", "--pkt-size", "9000", "--headroom", "1900"],
+     "the knobs here are --ring-size and --headroom 748 or less"),
     (["--study", "tx-cleanup", "--pairs", "ours/dpdk"], "ours/ours only, not ours/dpdk"),
     (["--study", "hdr-prepend", "--pairs", "dpdk/ours"], "ours/ours and ours/dpdk only, not dpdk/ours"),
     (["--tx-hdr", "inline"], "invalid choice"),

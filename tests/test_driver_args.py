@@ -1,5 +1,6 @@
 """`vring driver` argument validation (attack24): values no run can use are a one-line usage error, exit 2,
 before anything connects (the socket here has nobody listening: reaching it would say PeerGone instead)."""
+import json
 import os
 
 import pytest
@@ -49,6 +50,11 @@ def test_packed_any_size_and_allowed_cpu_pass_the_check(tmp_path, capsys):
      "FrameDoesNotFit: a 1500-byte frame and its 12-byte header do not fit one 256-byte Rx buffer"),
     (["--headroom", "2000"], 2, None, "ConfigError: pool: need 12 <= headroom"),
     (["--ring-size", "3"], 2, None, "--ring-size: split queue size must be a power of 2"),
+    # attack64: these passed --check and were refused by the run, after the handshake or once the device ran
+    (["--tx-hdr", "indirect", "--no-indirect"], 2, None, "indirect Tx headers need VIRTIO_F_INDIRECT_DESC"),
+    (["--tx-hdr", "indirect", "--packed", "--ring-size", "1"], 2, None, "indirect tables of at least 2 entries"),
+    (["--pcap", "/nonexistent/dir/x.pcap"], 2, None, "--pcap /nonexistent/dir/x.pcap: there is no directory"),
+    (["--ctl", "/nonexistent/dir/ctl.sock"], 2, None, "--ctl /nonexistent/dir/ctl.sock: there is no directory"),
 ])
 def test_check_says_whether_a_run_could_start_without_connecting(tmp_path, capsys, argv, rc, out_words, err_words):
     got = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check"] + argv)
@@ -63,6 +69,15 @@ def test_check_says_whether_a_run_could_start_without_connecting(tmp_path, capsy
         assert err.startswith("vring driver: ") and err_words in err, err
     else:
         assert err == "", err
+
+
+def test_check_json_is_one_document(tmp_path, capsys):
+    rc = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check", "--json", "--no-mrg-rxbuf",
+                   "--buf-size", "384"])
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert rc == 0 and doc["checked"] and not doc["connected"], (out, err)
+    assert len(doc["warnings"]) == 1 and "NET-24" in doc["warnings"][0] and "NET-24" in err
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])

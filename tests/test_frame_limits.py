@@ -10,13 +10,18 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from rings.errors import ConfigError, FrameDoesNotFit
-from rings.layout import VIRTIO_F_INDIRECT_DESC, VIRTIO_NET_F_MRG_RXBUF, bit
+from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1, VIRTIO_NET_F_MRG_RXBUF,
+                          align_up, bit)
 from virtio import packets
 from virtio._net import ffi, lib
 from virtio.app import DriverConfig, _Loop, _Stop
-from virtio.net import HEADROOM, INDIRECT_MAX, TX_HDR, NetQueues, check_injected, check_tx_frame, tx_descs
+from virtio.net import (HEADROOM, INDIRECT_MAX, TX_HDR, NetQueues, check_injected, check_rx_frame, check_tx_frame,
+                         tx_descs)
+from virtio.pool import MIN_ROOM, check_geometry
 
 from tests.procs import VRING, collect
 
@@ -329,3 +334,72 @@ def test_net_06_net_29_headroom_128_forwards_every_frame(server, sock_path, fmt)
         assert "need 12 <= headroom <= 65535, buf_size - headroom >= 52 (a frame's MACs and timestamp in its first " \
                f"buffer) and buf_size a multiple of 64 (headroom={bad[0]}, buf_size={bad[1]})" in err, err
     assert server.server.connections == connections, "refused before connecting"
+
+
+def _carries(check, buf):
+    try:
+        check(buf)
+        return True
+    except FrameDoesNotFit:
+        return False
+
+
+def _assert_fit_buf_size(check, headroom, buf0):
+    """FrameDoesNotFit.fit_buf_size, when the check refuses buf0: a pool geometry that carries the frame, whose
+    64 bytes less do not; None only when no buffer size up to 128 KiB carries it."""
+    try:
+        check(buf0)
+        return
+    except FrameDoesNotFit as e:
+        fit = e.fit_buf_size
+        if fit is None:
+            assert not any(_carries(check, b) for b in range(align_up(headroom + MIN_ROOM, 64), 131073, 64)), e
+            return
+        check_geometry(fit, headroom)
+        assert f"buffer size of at least {fit}" in str(e), e
+        assert _carries(check, fit), (fit, e)
+        assert fit - headroom - 64 < MIN_ROOM or not _carries(check, fit - 64), (fit, e)
+
+
+def _features(version_1, mrg, indirect, packed):
+    return ((version_1 << VIRTIO_F_VERSION_1) | (mrg << VIRTIO_NET_F_MRG_RXBUF) | (indirect << VIRTIO_F_INDIRECT_DESC)
+            | (packed << VIRTIO_F_RING_PACKED))
+
+
+_ring_sizes = st.one_of(st.integers(0, 15).map(lambda k: 1 << k), st.integers(1, 32768))
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame=st.integers(60, 65523), headroom=st.integers(12, 2000), size=_ring_sizes, extra=st.integers(0, 40),
+       flags=st.tuples(*[st.booleans()] * 5), hdr=st.sampled_from(TX_HDR))
+@example(frame=1000, headroom=140, size=1, extra=0, flags=(True, True, True, False, False), hdr="headroom")
+def test_split_d_05_fit_buf_size_is_the_smallest_buffer_a_tx_frame_fits(frame, headroom, size, extra, flags, hdr):
+    """attack64: a ring of one entry carries a frame in one descriptor (the header in its headroom), and said no
+    buffer size would."""
+    v1, mrg, ind, packed, slow = flags
+    features = _features(v1, mrg, ind, packed)
+    buf0 = align_up(headroom + MIN_ROOM, 64) + 64 * extra
+    _assert_fit_buf_size(lambda b: check_tx_frame(frame, features, size, buf_size=b, headroom=headroom, hdr=hdr,
+                                                  force_slow=slow), headroom, buf0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(frame=st.integers(60, 65523), headroom=st.integers(12, 2000), size=_ring_sizes, extra=st.integers(0, 40),
+       flags=st.tuples(*[st.booleans()] * 3))
+def test_net_27_net_30_fit_buf_size_is_the_smallest_buffer_an_rx_frame_fits(frame, headroom, size, extra, flags):
+    v1, mrg, packed = flags
+    features = _features(v1, mrg, False, packed)
+    buf0 = align_up(headroom + MIN_ROOM, 64) + 64 * extra
+    _assert_fit_buf_size(lambda b: check_rx_frame(frame, features, buf_size=b, headroom=headroom, ring_size=size),
+                         headroom, buf0)
+
+
+@pytest.mark.parametrize("packed, advice", [(False, "ring size of at least 256"), (True, "ring size of at least 141")])
+def test_split_l_06_ring_size_advice_is_a_size_the_layout_takes(packed, advice):
+    """attack64: a split ring's advice was 141 (not a power of 2, refused in turn); a packed ring's Tx advice was
+    rounded up to one."""
+    features = _features(True, True, False, packed)
+    with pytest.raises(FrameDoesNotFit, match=advice):
+        check_rx_frame(9000, features, buf_size=192, headroom=140, ring_size=128)
+    with pytest.raises(FrameDoesNotFit, match="ring size of at least " + ("79" if packed else "128")):
+        check_tx_frame(9000, features, 64, buf_size=256, headroom=140)

@@ -143,13 +143,41 @@ def test_our_drivers_arguments_are_checked_before_any_pair_starts(tmp_path, vari
     _assert_clean(tmp_path)
 
 
-def test_a_driver_that_exits_at_start_is_reported_with_its_own_words(tmp_path):
-    """What --check cannot see (a --pcap path that cannot be created) still ends the run with the driver's words."""
-    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --pcap /nonexistent/dir/x.pcap")
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert "ours --pcap /nonexistent/dir/x.pcap: the driver exited" in r.stderr, r.stderr
-    assert "FileNotFoundError" in r.stderr and "/nonexistent/dir/x.pcap" in r.stderr, r.stderr
+@pytest.mark.parametrize("extra", ["--check", "--server", "--seconds 0.1", "--socket /tmp/elsewhere.sock",
+                                   "--mode=txonly", "--sec 5", "--pin 0"])
+def test_options_this_tool_sets_are_refused_in_a_variant(tmp_path, extra):
+    """attack64: each of these passed --check, then took the pair out of the tool's hands at its start (a --check
+    run as the driver, a driver listening on the device's socket, one that stops by itself or talks to another
+    socket). Abbreviations too: argparse takes any unambiguous prefix."""
+    r = _run(tmp_path, *SHORT, "--variants", f"ours;ours {extra}", timeout=60)
+    assert r.returncode == 2 and "which this tool sets itself" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "round" not in r.stdout, r.stdout
     _assert_clean(tmp_path)
+
+
+def test_a_driver_that_exits_at_start_is_reported_with_its_own_words(tmp_path):
+    """What --check cannot see (a --pcap path that is a directory) still ends the run with the driver's words; the
+    device, which serves one connection, exits after it and is reported too."""
+    r = _run(tmp_path, *SHORT, "--variants", f"ours;ours --pcap {tmp_path}")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"ours --pcap {tmp_path}: the driver exited (2)" in r.stderr, r.stderr
+    assert "IsADirectoryError" in r.stderr, r.stderr
+    _assert_clean(tmp_path)
+
+
+def test_ours_at_tree_runs_that_trees_code_from_a_checkout(tmp_path):
+    """attack64: `python -m` puts the current directory ahead of PYTHONPATH, so run from a checkout (as the
+    docstring's examples are), ours@TREE ran that checkout's code. A tree whose `vring.cli` only says who it is."""
+    m, tree = _tool(), tmp_path / "tree"
+    for d in ("vring", "virtio", "rings", "vhost"):
+        (tree / d).mkdir(parents=True)
+        (tree / d / "__init__.py").write_text("")
+    for built in m.BUILT:
+        (tree / (built + ".abi3.so")).write_text("")
+    (tree / "vring" / "cli.py").write_text("print('the tree, not the checkout')\n")
+    r = subprocess.run([*m.PYTHON], env=m._tree_env(f"ours@{tree}"), cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout == "the tree, not the checkout\n", (r.stdout, r.stderr[-300:])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -110,6 +110,17 @@ def frame_segments(frame_len, buf_size, headroom=HEADROOM):
     return max(1, -(-frame_len // (buf_size - headroom)))
 
 
+def check_tx_hdr(hdr, features, indirect_max):
+    """ConfigError when the Tx header placement ``hdr`` cannot be used with these features and tables of
+    ``indirect_max`` entries (``min(INDIRECT_MAX, queue size)``)."""
+    if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
+        raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
+    # a table holds 2..queue size entries (SPLIT-D-05): a queue of one entry has none, its chains are direct
+    if hdr == "indirect" and indirect_max < 2:
+        raise ConfigError(f"indirect Tx headers need indirect tables of at least 2 entries (the header and the "
+                          f"frame; at most the queue size), not {indirect_max}")
+
+
 def tx_descs(frame_len, features, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
              indirect_max=INDIRECT_MAX):
     """What one frame of ``frame_len`` bytes built in pool buffers takes on transmitq, as (chain, slots): the
@@ -129,21 +140,32 @@ def tx_descs(frame_len, features, buf_size=2048, headroom=HEADROOM, hdr="headroo
 
 def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, hdr="headroom", force_slow=False,
                    indirect_max=INDIRECT_MAX):
-    """ConfigError, with the reason, when such frames can never be sent on a queue of ``size``: a chain longer
-    than the queue size is forbidden, an indirect table's entries included (SPLIT-D-05, PACKED-D-09/19), and
-    vn_tx_one refuses it (the packet would be retried forever). Returns (chain, slots) otherwise."""
+    """FrameDoesNotFit (a ConfigError), with the reason, when such frames can never be sent on a queue of ``size``:
+    a chain longer than the queue size is forbidden, an indirect table's entries included (SPLIT-D-05,
+    PACKED-D-09/19), and vn_tx_one refuses it (the packet would be retried forever). Returns (chain, slots)
+    otherwise."""
     chain, slots = tx_descs(frame_len, features, buf_size, headroom, hdr, force_slow, min(indirect_max, size))
     if chain <= size:
         return chain, slots
     room = buf_size - headroom
     how = " in one indirect table" if slots == 1 else ""
     bufs = f"{chain - 1} buffer{'s' if chain > 2 else ''}"
-    fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64) if size > 1 else None
+    if size > 1:       # the frame in at most size - 1 buffers, and its header descriptor
+        fit_buf = align_up(-(-frame_len // (size - 1)) + headroom, 64)
+    elif hdr == "headroom" and not force_slow:   # one buffer, the header in its headroom: one descriptor
+        fit_buf = align_up(frame_len + headroom, 64)
+    else:
+        fit_buf = None
     raise FrameDoesNotFit(f"a {frame_len}-byte frame takes {chain} descriptors{how} on transmitq ({bufs} of {room} "
                           f"data bytes + 1 for the virtio-net header), more than the queue size {size}: no chain may "
                           f"be longer (SPLIT-D-05/PACKED-D-09, indirect entries included); use a ring size of at least "
-                          f"{1 << (chain - 1).bit_length()}"
+                          f"{_ring_size_for(chain, features)}"
                           + (f" or a buffer size of at least {fit_buf}" if fit_buf else ""), fit_buf)
+
+
+def _ring_size_for(entries, features):
+    """The smallest queue size of at least ``entries``: a power of 2 for a split ring (SPLIT-L-06)."""
+    return entries if has(features, VIRTIO_F_RING_PACKED) else 1 << (entries - 1).bit_length()
 
 
 #: NET-24: without MRG_RXBUF, GUEST_TSO4/TSO6/UFO/USO4/USO6 and HASH_REPORT (this driver never negotiates the
@@ -168,7 +190,7 @@ def rx_buffers(frame_len, features, buf_size=2048, headroom=HEADROOM):
 
 def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_size=None):
     """Without MRG_RXBUF the device puts a frame and its header into ONE buffer (NET-27) and drops what does not
-    fit; with it, into as many as it needs (NET-30), all of them available at once: ConfigError, with the reason,
+    fit; with it, into as many as it needs (NET-30), all of them available at once: FrameDoesNotFit, with the reason,
     when frames of ``frame_len`` bytes (None: sizes unknown) cannot fit one buffer, or an Rx ring of ``ring_size``
     entries. Returns warnings: buffers below NET_24_RX_MIN (a SHOULD; frames that fit still arrive whole), more
     buffers a frame than DPDK's net_vhost takes (DPDK_RX_DESCS_MAX, ring size - 1; other devices fill the ring)."""
@@ -179,8 +201,8 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
             fit_buf = align_up(-(-(frame_len + hs) // ring_size) - hs + headroom, 64)
             raise FrameDoesNotFit(f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of "
                                   f"{post} bytes (NET-30), more than the Rx ring's {ring_size} entries: the device "
-                                  f"could never deliver one; use a ring size of at least {need} or a buffer size of "
-                                  f"at least {fit_buf}", fit_buf)
+                                  f"could never deliver one; use a ring size of at least "
+                                  f"{_ring_size_for(need, features)} or a buffer size of at least {fit_buf}", fit_buf)
         dpdk = min(DPDK_RX_DESCS_MAX, ring_size - 1 if ring_size is not None else DPDK_RX_DESCS_MAX)
         if need > dpdk:
             return [f"a {frame_len}-byte frame and its {hs}-byte header take {need} Rx buffers of {post} bytes "
@@ -193,7 +215,7 @@ def check_rx_frame(frame_len, features, buf_size=2048, headroom=HEADROOM, ring_s
         raise FrameDoesNotFit(f"a {frame_len}-byte frame and its {hs}-byte header do not fit one {post}-byte Rx "
                               f"buffer, and without VIRTIO_NET_F_MRG_RXBUF the device uses one buffer a frame "
                               f"(NET-27): every frame would be dropped; negotiate MRG_RXBUF or use a buffer size of "
-                              f"at least {fit_buf}", fit_buf)
+                              f"at least {fit_buf}", fit_buf, mrg_rxbuf_helps=True)
     if post < NET_24_RX_MIN:
         return [f"Rx buffers of {post} bytes without VIRTIO_NET_F_MRG_RXBUF: NET-24 asks for at least "
                 f"{NET_24_RX_MIN} (a 1514-byte frame and its header); larger frames will be dropped by the device"]
@@ -248,12 +270,7 @@ class TxQueue:
         if isinstance(publish_every, bool) or not isinstance(publish_every, numbers.Integral) \
                 or not 0 <= publish_every <= PUBLISH_EVERY_MAX:
             raise ConfigError(f"publish_every must be 0..{PUBLISH_EVERY_MAX}, not {publish_every!r}")
-        if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
-            raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
-        # a table holds 2..queue size entries (SPLIT-D-05): a queue of one entry has none, its chains are direct
-        if hdr == "indirect" and mem.indirect_max < 2:
-            raise ConfigError(f"indirect Tx headers need indirect tables of at least 2 entries (the header and the "
-                              f"frame; at most the queue size), not {mem.indirect_max}")
+        check_tx_hdr(hdr, features, mem.indirect_max)
         # indirect has a fast path of its own (one-segment packets); force_slow keeps every packet on the general one
         t_hdr_indirect = hdr == "indirect" and not force_slow
         force_slow = force_slow or hdr != "headroom"

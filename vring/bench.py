@@ -244,9 +244,14 @@ class BenchConfig:
                                  mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=self.headroom).check()
                 except ConfigError as e:
                     why = str(e)
-                    if isinstance(e, FrameDoesNotFit) and e.fit_buf_size:   # bench has no --buf-size to follow that
+                    if isinstance(e, FrameDoesNotFit):   # bench has no --buf-size: the knobs it has instead
+                        knobs = ["--mrg-rxbuf"] if e.mrg_rxbuf_helps else ["--ring-size"]
+                        if e.fit_buf_size:   # the data room that buffer size gives, left by a smaller headroom
+                            most = DriverConfig.buf_size - (e.fit_buf_size - self.headroom)
+                            if most >= 12:
+                                knobs.append(f"--headroom {most} or less")
                         why += (f" (vring bench gives our driver {DriverConfig.buf_size}-byte buffers: the knobs here "
-                                f"are --mrg-rxbuf and --headroom)")
+                                f"are {' and '.join(knobs)})")
                     raise ValueError(f"our driver, --pkt-size {size}: {why}") from None
         if self.rates:
             dpdk_drivers = [p for p in self.pairs if p.startswith("dpdk/")]

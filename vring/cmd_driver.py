@@ -145,6 +145,9 @@ def _check_args(args):
         return why
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
+    for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl)):   # created once the device runs: say it now
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"{name} {path}: there is no directory {os.path.dirname(os.path.abspath(path))}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):
         parts = mac.split(":")
         if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
@@ -193,8 +196,11 @@ def main(args):
             return 2
         for w in warnings:
             print(f"vring driver: warning: {w}", file=sys.stderr)
-        print(f"vring driver: the configuration checks out ({len(warnings)} warning{'s' * (len(warnings) != 1)}); "
-              f"not connected")
+        if args.json:
+            print(json.dumps({"checked": True, "connected": False, "warnings": warnings}, indent=1))
+        else:
+            print(f"vring driver: the configuration checks out ({len(warnings)} warning"
+                  f"{'s' * (len(warnings) != 1)}); not connected")
         return 0
     try:
         res = run(cfg)
