@@ -262,7 +262,8 @@ def _driver_argv(args, sock, extra, check=False):
     packed, in_order = args.path.startswith("packed"), args.path.endswith("inorder")
     return [*PYTHON, "driver", "--socket", sock, "--pin", str(args.cpus[1]),
             "--packed" if packed else "--split", "--in-order" if in_order else "--no-in-order",
-            *(() if "--no-mrg-rxbuf" in extra else ("--mrg-rxbuf",)),   # a variant may turn it off
+            # a variant may turn it off (argparse takes a prefix: --no-mrg)
+            *(() if any(len(a) > 5 and "--no-mrg-rxbuf".startswith(a) for a in extra) else ("--mrg-rxbuf",)),
             "--burst", "32", "--ring-size", str(RING), "--pkt-size", "64",
             "--seconds", "86400",
             "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra, *(("--check",) if check else ())]
@@ -273,13 +274,27 @@ def _check_driver(variant, args, driver, extra):
     starts, not at the first pair's start with every earlier pair left to stop."""
     env = _tree_env(driver)
     helps = subprocess.run([*PYTHON, "driver", "--help"], env=env, capture_output=True, text=True, timeout=120)
+    if helps.returncode != 0:   # a tree whose driver does not even start
+        raise Failure(f"variant {variant!r}: our driver does not start: {_last_line(helps)}")
     if "--check" not in helps.stdout:   # a tree from before --check: its refusals come at its pair's start
         return
     r = subprocess.run(_driver_argv(args, os.path.join(tempfile.gettempdir(), "vring-interleaved-check.sock"),
-                                    extra, check=True), env=env, capture_output=True, text=True, timeout=120)
+                                    [*extra, "--json"], check=True), env=env, capture_output=True, text=True,
+                       timeout=120)
     if r.returncode != 0:
-        why = (r.stderr.strip() or r.stdout.strip()).splitlines()
-        raise Failure(f"variant {variant!r}: our driver refuses it: {why[-1] if why else f'exit {r.returncode}'}")
+        raise Failure(f"variant {variant!r}: our driver refuses it: {_last_line(r)}")
+    try:   # exit 0 is not enough: `-h` among the arguments prints the help and exits 0 too
+        checked = json.loads(r.stdout).get("checked") is True
+    except (ValueError, AttributeError):
+        checked = False
+    if not checked:
+        raise Failure(f"variant {variant!r}: our driver did not check it (it printed: "
+                      f"{(r.stdout.strip().splitlines() or ['nothing'])[0]})")
+
+
+def _last_line(r):
+    why = (r.stderr.strip() or r.stdout.strip()).splitlines()
+    return why[-1] if why else f"exit {r.returncode}"
 
 
 class Pair:
@@ -498,7 +513,7 @@ def main():
                 name = a.split("=", 1)[0]
                 owned = [o for o in OWNED if len(name) > 2 and o.startswith(name)] if a.startswith("--") else []
                 if owned:
-                    raise Failure(f"variant {v!r}: {a} is {owned[0]}, which this tool sets itself ("
+                    raise Failure(f"variant {v!r}: {a} names {' or '.join(owned)}, which this tool sets itself ("
                                   f"{', '.join(OWNED)})")
             for side in (driver, device):
                 if side != "dpdk":

@@ -1020,17 +1020,23 @@ def listen_unix(path, backlog: int = 1) -> socket.socket:
             os.close(dfd)   # (releases the lock)
 
 
-def _listen_unix_locked(path, backlog):
+def check_listen_path(path):
+    """ConfigError when ``path`` could not be listened on: a file there that is not a socket, or a socket somebody
+    listens on. Returns whether a stale socket file is there (listen_unix replaces it)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        pass
-    else:
-        if not stat.S_ISSOCK(st.st_mode):
-            raise ConfigError(f"{path} exists and is not a socket; not removing it")
-        if socket_is_live(path):
-            raise ConfigError(f"{path}: a server is listening on this socket already; not taking it over "
-                              f"(stop it, or choose another path)")
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; not removing it")
+    if socket_is_live(path):
+        raise ConfigError(f"{path}: a server is listening on this socket already; not taking it over "
+                          f"(stop it, or choose another path)")
+    return True
+
+
+def _listen_unix_locked(path, backlog):
+    if check_listen_path(path):
         os.unlink(path)   # stale: nobody listens there any more
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     bound = False

@@ -71,6 +71,33 @@ def test_check_says_whether_a_run_could_start_without_connecting(tmp_path, capsy
         assert err == "", err
 
 
+def test_check_refuses_paths_the_run_could_not_create(tmp_path, capsys):
+    """attack65: each of these passed --check and failed once the run reached it (after connecting, or, --server,
+    at its listen): a --pcap that is a directory, --pcap and --ctl on one path, a --ctl (or --server socket) that
+    is a file or a socket somebody listens on."""
+    import socket
+    live = tmp_path / "live.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(live))
+    server.listen(1)
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    try:
+        for argv, words in (
+                (["--pcap", str(tmp_path)], f"--pcap {tmp_path} is a directory"),
+                (["--pcap", str(tmp_path / "x"), "--ctl", str(tmp_path / "x")], "--pcap and --ctl are the same path"),
+                (["--ctl", str(plain)], f"--ctl {plain} exists and is not a socket"),
+                (["--ctl", str(live)], f"--ctl {live}: a server is listening on this socket already"),
+                (["--server"], f"--socket {live}: a server is listening on this socket already")):
+            sock = str(live) if "--server" in argv else str(tmp_path / "nobody.sock")
+            rc = cli.main(["driver", "--socket", sock, "--check"] + argv)
+            out, err = capsys.readouterr()
+            assert rc == 2 and out == "" and words in err, (argv, out, err)
+    finally:
+        server.close()
+    assert plain.read_text() == "" and live.exists()   # nothing replaced or removed
+
+
 def test_check_json_is_one_document(tmp_path, capsys):
     rc = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check", "--json", "--no-mrg-rxbuf",
                    "--buf-size", "384"])

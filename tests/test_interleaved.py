@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -144,37 +145,81 @@ def test_our_drivers_arguments_are_checked_before_any_pair_starts(tmp_path, vari
 
 
 @pytest.mark.parametrize("extra", ["--check", "--server", "--seconds 0.1", "--socket /tmp/elsewhere.sock",
-                                   "--mode=txonly", "--sec 5", "--pin 0"])
+                                   "--mode=txonly", "--sec 5", "--pin 0", "-h", "--hel"])
 def test_options_this_tool_sets_are_refused_in_a_variant(tmp_path, extra):
     """attack64: each of these passed --check, then took the pair out of the tool's hands at its start (a --check
     run as the driver, a driver listening on the device's socket, one that stops by itself or talks to another
     socket). Abbreviations too: argparse takes any unambiguous prefix."""
     r = _run(tmp_path, *SHORT, "--variants", f"ours;ours {extra}", timeout=60)
-    assert r.returncode == 2 and "which this tool sets itself" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    says = "did not check it (it printed: usage:" if extra.startswith(("-h", "--hel")) else "which this tool sets itself"
+    assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "round" not in r.stdout, r.stdout
     _assert_clean(tmp_path)
 
 
 def test_a_driver_that_exits_at_start_is_reported_with_its_own_words(tmp_path):
-    """What --check cannot see (a --pcap path that is a directory) still ends the run with the driver's words; the
-    device, which serves one connection, exits after it and is reported too."""
-    r = _run(tmp_path, *SHORT, "--variants", f"ours;ours --pcap {tmp_path}")
+    """What --check does not see (a --pcap where nothing can be created: it does not try) still ends the run with
+    the driver's words; the device, which serves one connection, exits after it and is reported too."""
+    r = _run(tmp_path, *SHORT, "--variants", "ours;ours --no-mrg --pcap /proc/vring-x.pcap")
     assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert f"ours --pcap {tmp_path}: the driver exited (2)" in r.stderr, r.stderr
-    assert "IsADirectoryError" in r.stderr, r.stderr
+    assert "ours --no-mrg --pcap /proc/vring-x.pcap: both sides exited." in r.stderr, r.stderr
+    assert "the driver exited (2)" in r.stderr and "/proc/vring-x.pcap" in r.stderr, r.stderr
+    assert "the device exited:\n(exit status 0)" in r.stderr, r.stderr
     _assert_clean(tmp_path)
+
+
+def test_every_child_runs_python_minus_capital_p(tmp_path, monkeypatch):
+    """attack65: the cwd test above passed with PYTHON right and the argv built without it."""
+    m, seen = _tool(), []
+
+    class Started(Exception):
+        pass
+
+    def popen(argv, **kw):
+        seen.append(argv)
+        raise Started
+
+    monkeypatch.setattr(m.subprocess, "Popen", popen)
+    with pytest.raises(Started):
+        m.OurDevice("ours", str(tmp_path / "s.sock"), str(tmp_path), [0, 1])
+    args = SimpleNamespace(path="split", cpus=[0, 1], inject=32)
+    assert seen[0][:4] == list(m.PYTHON) == m._driver_argv(args, "s.sock", [])[:4] == [sys.executable, "-P", "-m",
+                                                                                         "vring.cli"]
+
+
+def _fake_tree(tmp_path, cli):
+    tree = tmp_path / "tree"
+    for d in ("vring", "virtio", "rings", "vhost"):
+        (tree / d).mkdir(parents=True, exist_ok=True)
+        (tree / d / "__init__.py").write_text("")
+    for built in _tool().BUILT:
+        (tree / (built + ".abi3.so")).write_text("")
+    (tree / "vring" / "cli.py").write_text(cli)
+    return tree
+
+
+@pytest.mark.parametrize("cli, refused", [
+    # a tree from before --check: its help does not name it, its refusals come at its pair's start
+    ("import sys\nprint('usage: vring driver --socket S [--json]')\nsys.exit(0 if '--help' in sys.argv else 2)\n",
+     None),
+    # attack65: a tree whose driver does not even import was skipped as one without --check
+    ("import no_such_module_at_all\n", "our driver does not start: ModuleNotFoundError"),
+])
+def test_a_tree_without_check_is_told_by_its_help(tmp_path, cli, refused):
+    m = _tool()
+    tree = _fake_tree(tmp_path, cli)
+    args = SimpleNamespace(path="split", cpus=[0, 1], inject=32)
+    if refused is None:
+        assert m._check_driver("ours@x", args, f"ours@{tree}", []) is None
+    else:
+        with pytest.raises(m.Failure, match=refused):
+            m._check_driver("ours@x", args, f"ours@{tree}", [])
 
 
 def test_ours_at_tree_runs_that_trees_code_from_a_checkout(tmp_path):
     """attack64: `python -m` puts the current directory ahead of PYTHONPATH, so run from a checkout (as the
     docstring's examples are), ours@TREE ran that checkout's code. A tree whose `vring.cli` only says who it is."""
-    m, tree = _tool(), tmp_path / "tree"
-    for d in ("vring", "virtio", "rings", "vhost"):
-        (tree / d).mkdir(parents=True)
-        (tree / d / "__init__.py").write_text("")
-    for built in m.BUILT:
-        (tree / (built + ".abi3.so")).write_text("")
-    (tree / "vring" / "cli.py").write_text("print('the tree, not the checkout')\n")
+    m, tree = _tool(), _fake_tree(tmp_path, "print('the tree, not the checkout')\n")
     r = subprocess.run([*m.PYTHON], env=m._tree_env(f"ours@{tree}"), cwd=ROOT, capture_output=True, text=True,
                        timeout=60)
     assert r.stdout == "the tree, not the checkout\n", (r.stdout, r.stderr[-300:])

@@ -238,21 +238,31 @@ class BenchConfig:
                                  f"default 2 KiB mbufs")
         if any(p.startswith("ours/") for p in self.pairs):
             from virtio.app import DriverConfig   # what our driver refuses at start, refused here before anything runs
-            for size in self.pkt_sizes:
+
+            def refusal(size, headroom):
                 try:
                     DriverConfig("", ring_size=self.ring_size, mode="macfwd", count=self.inject, pkt_size=size,
-                                 mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=self.headroom).check()
+                                 mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=headroom).check()
                 except ConfigError as e:
-                    why = str(e)
-                    if isinstance(e, FrameDoesNotFit):   # bench has no --buf-size: the knobs it has instead
-                        knobs = ["--mrg-rxbuf"] if e.mrg_rxbuf_helps else ["--ring-size"]
-                        if e.fit_buf_size:   # the data room that buffer size gives, left by a smaller headroom
-                            most = DriverConfig.buf_size - (e.fit_buf_size - self.headroom)
-                            if most >= 12:
-                                knobs.append(f"--headroom {most} or less")
-                        why += (f" (vring bench gives our driver {DriverConfig.buf_size}-byte buffers: the knobs here "
-                                f"are {' and '.join(knobs)})")
-                    raise ValueError(f"our driver, --pkt-size {size}: {why}") from None
+                    return e
+                return None
+
+            for size in self.pkt_sizes:
+                e = refusal(size, self.headroom)
+                if e is None:
+                    continue
+                # the driver's advice may be a buffer size, which bench does not have: a smaller headroom leaves more
+                # of its buffers to the frame, and fits only get easier as it shrinks (bisect for the largest)
+                knobs = ["--mrg-rxbuf"] if isinstance(e, FrameDoesNotFit) and e.mrg_rxbuf_helps else []
+                lo, hi = 12, self.headroom - 1
+                if hi >= lo and refusal(size, lo) is None:
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        lo, hi = (mid, hi) if refusal(size, mid) is None else (lo, mid - 1)
+                    knobs.append(f"--headroom {lo} or less")
+                why = str(e) + (f" (vring bench gives our driver {DriverConfig.buf_size}-byte buffers; what it has "
+                                f"instead: {', '.join(knobs)})" if knobs else "")
+                raise ValueError(f"our driver, --pkt-size {size}: {why}")
         if self.rates:
             dpdk_drivers = [p for p in self.pairs if p.startswith("dpdk/")]
             if dpdk_drivers:

@@ -6,6 +6,7 @@ import sys
 from rings.affinity import pin_error
 from rings.errors import ConfigError
 from rings.layout import check_size
+from rings.vhost_user import check_listen_path
 from virtio.app import DriverConfig, run
 from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 from virtio.pool import HEADROOM
@@ -145,9 +146,20 @@ def _check_args(args):
         return why
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
-    for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl)):   # created once the device runs: say it now
+    # created once the device runs (or, --server, before connecting): what can be known now is said now
+    for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             return f"{name} {path}: there is no directory {os.path.dirname(os.path.abspath(path))}"
+    if args.pcap and os.path.isdir(args.pcap):
+        return f"--pcap {args.pcap} is a directory"
+    if args.pcap and args.ctl and os.path.abspath(args.pcap) == os.path.abspath(args.ctl):
+        return f"--pcap and --ctl are the same path, {args.pcap}"
+    for name, path in (("--ctl", args.ctl), ("--socket", args.socket if args.server else None)):
+        try:
+            if path:
+                check_listen_path(path)
+        except ConfigError as e:
+            return f"{name} {e}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):
         parts = mac.split(":")
         if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
