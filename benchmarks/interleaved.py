@@ -10,16 +10,16 @@ run and not counted: a pair continued for the first time runs far below its rate
 
 A variant is the driver side: ``dpdk`` (testpmd virtio_user, mac forwarding, ``start tx_first``) or ``ours``
 (``vring driver --mode macfwd --latency``, as `vring bench` runs it), followed by extra arguments for our driver
-(``dpdk --no-mrg-rxbuf``: virtio_user without MRG_RXBUF, the only argument DPDK's driver takes);
-``ours`` runs this checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of
-a code change). Our driver is asked first (`vring driver --check`) whether it takes a variant's arguments, and
-the options this tool sets itself (OWNED: --socket, --seconds, --mode, ...) are refused, so that a bad variant
-stops the run before any pair starts; what depends on the peer shows at its pair's start. Each variant at most once; --inject at most the rings' 256 (a
-multiple of 32 with DPDK's driver). Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap, with
---record-burst-stats and --record-core-cycles: the share of its dequeues that found nothing and its busy cycles
-per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A
-variant may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that matrix are
-compared side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our backend's
+(``dpdk --no-mrg-rxbuf``: virtio_user without MRG_RXBUF, the only argument DPDK's driver takes); ``ours`` runs this
+checkout's driver and ``ours@TREE`` that of another, built in place (PYTHONPATH=TREE: an A/B of a code change). Our
+driver is asked first (`vring driver --check`) whether it takes a variant's arguments, and the options this tool
+sets itself (OWNED: --socket, --seconds, --mode, ...) are refused, so that a bad variant stops the run before any
+pair starts; what depends on the peer shows at its pair's start. Each variant at most once; --inject at most the
+rings' 256 (a multiple of 32 with DPDK's driver). Its device is ``--device``: ``dpdk`` (testpmd net_vhost, macswap,
+with --record-burst-stats and --record-core-cycles: the share of its dequeues that found nothing and its busy cycles
+per packet, medians over slices, per variant) or ``ours`` / ``ours@TREE`` (`vring vhost --fwd macswap`). A variant
+may name both sides as `vring bench --pairs` does, ``dpdk/ours``: then the four pairs of that matrix are compared
+side by side. The rate is the device's: RX packets of the net_vhost port, or rx_packets of our backend's
 --stats-interval lines, over the slice.
 
     python3 benchmarks/interleaved.py --path packed --inject 32 --variants 'dpdk;ours;ours --tx-publish 8'

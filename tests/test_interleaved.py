@@ -151,7 +151,8 @@ def test_options_this_tool_sets_are_refused_in_a_variant(tmp_path, extra):
     run as the driver, a driver listening on the device's socket, one that stops by itself or talks to another
     socket). Abbreviations too: argparse takes any unambiguous prefix."""
     r = _run(tmp_path, *SHORT, "--variants", f"ours;ours {extra}", timeout=60)
-    says = "did not check it (it printed: usage:" if extra.startswith(("-h", "--hel")) else "which this tool sets itself"
+    helps = extra.startswith(("-h", "--hel"))
+    says = "did not check it (it printed: usage:" if helps else "which this tool sets itself"
     assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert "round" not in r.stdout, r.stdout
     _assert_clean(tmp_path)
