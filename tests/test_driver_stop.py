@@ -10,7 +10,10 @@ import time
 
 import pytest
 
+from rings.layout import VIRTIO_F_VERSION_1, bit
 from vhost.datapath import Options
+from virtio.app import DriverConfig, _Loop, _SignalWakeup, _Stop
+from virtio.net import NetQueues
 from vhost.testing import ThreadedServer
 
 from tests.procs import Procs, collect, wait_for
@@ -61,6 +64,30 @@ def test_wait_stops_on_sigterm_within_100ms(server, sock, mode):
     assert res["stop"]["reason"] == "signal" and res["stop"]["signal"] == signal.SIGTERM
     assert res["stop"]["latency_s"] < 0.1, res["stop"]
     assert took < 5.0, f"exit took {took:.2f}s after SIGTERM"   # was ~23 s
+
+
+def test_a_stop_signal_found_in_the_wakeup_pipe_ends_the_loop_before_its_handler_runs():
+    """The race behind a 100.3 ms stop in CI: the signal landed between _done's look at the stop flag and its
+    drain of the wakeup pipe. The drain took the byte, the Python handler set the flag just after, and the next
+    --wait sleep ran its full 0.1 s. Here the C-level handler's byte is in the pipe and the Python handler has not
+    run: _done must stop on the byte. A byte of another signal is taken and ignored (no busy wake-ups)."""
+    nq = NetQueues(bit(VIRTIO_F_VERSION_1), size=8, nbufs=32, buf_size=2048)
+    wakeup = _SignalWakeup()
+    try:
+        stop = _Stop()
+        stop.setup = False   # the rings are up
+        loop = _Loop(DriverConfig("", ring_size=8, mode="rxonly", wait=True), nq, stop, wakeup=wakeup)
+        os.write(wakeup.wfd, bytes([signal.SIGUSR1]))
+        assert not loop._done(float("inf"), watch=True) and not stop.flag
+        assert wakeup.drain() == set(), "the other signal's byte was left to wake every sleep"
+        os.write(wakeup.wfd, bytes([signal.SIGTERM]))
+        assert loop._done(float("inf"), watch=True)
+        assert stop.flag and stop.signum == signal.SIGTERM and stop.count == 0   # the handler counts it, later
+        stop(signal.SIGTERM)                                                       # ... which it then does
+        assert stop.count == 1 and stop.signum == signal.SIGTERM
+    finally:
+        wakeup.close()
+        nq.close()
 
 
 def test_wait_honours_seconds_within_100ms(server, sock):

@@ -134,6 +134,9 @@ def _eventfd_count(fd):
     return vu.eventfd_take(fd)
 
 
+STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+
+
 class _Stop:
     """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
     --wait sleep through a wakeup pipe), a second one cuts the drain short. While the rings are being set up
@@ -149,10 +152,14 @@ class _Stop:
 
     def __call__(self, signum=None, _frame=None):
         self.count += 1
-        if not self.flag:
-            self.flag, self.when, self.signum = True, time.monotonic(), signum
+        self.seen(signum)
         if self.setup:
             raise KeyboardInterrupt
+
+    def seen(self, signum):
+        """The first stop signal, from its handler or from the wakeup pipe (whichever comes first)."""
+        if not self.flag:
+            self.flag, self.when, self.signum = True, time.monotonic(), signum
 
 
 class _SignalWakeup:
@@ -164,11 +171,14 @@ class _SignalWakeup:
         self.old = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
 
     def drain(self):
+        """Empty the pipe; the signal numbers it held (one byte each)."""
+        got = b""
         try:
-            while os.read(self.rfd, 64):
-                pass
+            while chunk := os.read(self.rfd, 64):
+                got += chunk
         except BlockingIOError:
             pass
+        return set(got)
 
     def close(self):
         signal.set_wakeup_fd(self.old)
@@ -195,7 +205,7 @@ def run(cfg: DriverConfig, on_ready=None):
     fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     wakeup = _SignalWakeup()
     result = {"config": asdict(cfg), "warnings": warnings}
     try:
@@ -680,7 +690,12 @@ class _Loop:
         if watch or t >= self.next_watch:
             self.next_watch = t + 0.1
             if self.wakeup is not None:
-                self.wakeup.drain()
+                # a stop signal whose byte is here may not have had its Python handler run yet: taking the byte
+                # without acting on it would leave the next --wait sleep to its full timeout
+                for signum in self.wakeup.drain() & STOP_SIGNALS:
+                    self.stop.seen(signum)
+                if self.stop.flag:
+                    return True
             if self._peer_gone():
                 raise PeerGone("the backend closed the vhost-user connection while the driver was running")
         return False
