@@ -252,3 +252,21 @@ def test_a_backend_killed_mid_run_reports_only_the_tx_it_never_completed(tmp_pat
     # machine 0.5 s may be a few hundred laps or a few)
     assert res["error"]["type"] == "PeerGone" and res["injected"] == 8 and res["rx"]["packets"] > 8, res
     assert res["tx_unfinished"] <= 8, res
+
+
+@pytest.mark.parametrize("wait", [(), ("--wait",)], ids=["polled", "wait"])
+def test_a_signal_ends_idle_first(server, sock, wait):
+    """--idle-first is not counted in --seconds: a signal is what ends a long one, as it ends the run."""
+    proc = driver(sock, "--mode", "macfwd", "--count", 32, "--idle-first", 600, "--seconds", 1, "--drain", 0, *wait)
+    try:
+        running(server)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
+    assert res["tx"]["packets"] == 0, "the signal ended the idle phase, and nothing was sent after it"
