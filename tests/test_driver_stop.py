@@ -12,7 +12,7 @@ import pytest
 
 from rings.layout import VIRTIO_F_VERSION_1, bit
 from vhost.datapath import Options
-from virtio.app import DriverConfig, _Loop, _SignalWakeup, _Stop
+from virtio.app import DriverConfig, _Loop, _SignalWakeup, _Stop, run
 from virtio.net import NetQueues
 from vhost.testing import ThreadedServer
 
@@ -270,3 +270,37 @@ def test_a_signal_ends_idle_first(server, sock, wait):
     res = json.loads(out)
     assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
     assert res["tx"]["packets"] == 0, "the signal ended the idle phase, and nothing was sent after it"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+def test_signals_that_keep_coming_do_not_cut_the_clean_up_or_the_report_short(server, sock, sig):
+    """A second signal cuts the drain short; it must not kill the process once the run is over: the handlers used
+    to be put back before the clean-up (closing the session, the pcap, the queues) and before the report was
+    printed, so a late signal ended the process with -N (the report possibly half-written). Signals every ~1 ms
+    until it exits cover every point of its way out."""
+    proc = driver(sock, "--mode", "macfwd", "--wait", "--drain", "0.2")
+    try:
+        running(server)
+        while proc.poll() is None:
+            proc.send_signal(sig)
+            time.sleep(0.001)
+        rc, out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, (rc, err)
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["stop"]["signal"] == sig, res["stop"]
+
+
+def test_run_leaves_the_handlers_it_was_asked_to(server, sock):
+    """run() puts the stop signals' handlers back when it is done, or installs ``after_signals`` (the CLI: SIG_IGN)."""
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for after, want in ((None, old), (signal.SIG_IGN, {s: signal.SIG_IGN for s in old})):
+            run(DriverConfig(sock, mode="rxonly", seconds=0.2, drain=0), after_signals=after)
+            assert {s: signal.getsignal(s) for s in old} == want
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

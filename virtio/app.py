@@ -186,9 +186,11 @@ class _SignalWakeup:
         os.close(self.wfd)
 
 
-def run(cfg: DriverConfig, on_ready=None):
+def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started. A typed error
-    (VringError) that ends the run after that carries the counters so far, the error among them, as ``e.report``."""
+    (VringError) that ends the run after that carries the counters so far, the error among them, as ``e.report``.
+    The stop signals' handlers are put back once everything is closed; ``after_signals``, if given, is installed
+    instead (the CLI: SIG_IGN, so that a late second signal cannot cut its report short or change its exit status)."""
     if cfg.pin is not None:
         pin_all_threads(cfg.pin)
     if cfg.mode not in ("txonly", "rxonly", "macfwd", "rate"):
@@ -266,22 +268,24 @@ def run(cfg: DriverConfig, on_ready=None):
             raise error
         return result
     finally:
-        stop.setup = False   # a signal during the clean-up must not cut it short
-        for s, h in old.items():
-            signal.signal(s, h)
-        wakeup.close()
+        stop.setup = False   # a signal during the clean-up is counted, and does not cut it short
         try:
-            if fe.started and fe.conn is not None and not fe.conn.broken:
-                fe.stop()
-        except Exception:
-            pass
-        sess.close()
-        if ctl is not None:
-            ctl.close()
-        if pcap is not None:
-            pcap.close()
-        if nq is not None:
-            nq.close()
+            try:
+                if fe.started and fe.conn is not None and not fe.conn.broken:
+                    fe.stop()
+            except Exception:
+                pass
+            sess.close()
+            if ctl is not None:
+                ctl.close()
+            if pcap is not None:
+                pcap.close()
+            if nq is not None:
+                nq.close()
+        finally:   # last: a second signal used to kill the process half-way through the clean-up
+            for s, h in old.items():
+                signal.signal(s, h if after_signals is None else after_signals)
+            wakeup.close()
 
 
 def verify_failures(v, at_end=True):

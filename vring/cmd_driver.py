@@ -1,6 +1,7 @@
 """`vring driver`: the virtio-net driver process against a vhost-user backend (e.g. DPDK net_vhost)."""
 import json
 import os
+import signal
 import sys
 
 from rings.affinity import pin_error
@@ -216,7 +217,7 @@ def main(args):
                   f"{'s' * (len(warnings) != 1)}); not connected")
         return 0
     try:
-        res = run(cfg)
+        res = run(cfg, after_signals=signal.SIG_IGN)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create
