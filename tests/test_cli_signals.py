@@ -370,3 +370,34 @@ def test_main_returns_130_on_keyboard_interrupt_in_parser(monkeypatch):
     except KeyboardInterrupt:   # not let through: pytest would take it for a Ctrl-C of the whole session
         pytest.fail("KeyboardInterrupt raised while building the parser escaped cli.main()")
     assert rc == 130
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["TERM", "INT", "HUP"])
+def test_vhost_signals_that_keep_coming_end_it_with_0_and_its_socket_removed(tmp_path, sig):
+    """`vring vhost` ends cleanly on a stop signal. One that comes once its clean-up is done used to meet the default
+    handler that the interpreter's shutdown puts back: exit -N. Signals every ~1 ms until it exits reach every point
+    of its way out."""
+    sock = tmp_path / "v.sock"
+    proc = _start(["vhost", "--socket", str(sock)], tmp_path)
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 5)
+            time.sleep(0.02)
+        while proc.poll() is None:
+            proc.send_signal(sig)
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err = _finish(proc, 30)
+    assert proc.returncode == 0, err
+    assert not sock.exists()
+
+
+def test_main_of_a_test_leaves_the_signal_handlers_alone(monkeypatch):
+    """Only the process's own command line (argv None) ignores the stop signals at the end: a test calling in keeps
+    its handlers."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    assert cli.main(["driver", "--socket", "/nonexistent/x.sock", "--check", "--json"]) in (0, 2)
+    assert {s: signal.getsignal(s) for s in before} == before

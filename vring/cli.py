@@ -22,6 +22,18 @@ def main(argv=None):
         return args.run(args) or 0
     except KeyboardInterrupt:
         return 130
+    finally:
+        if argv is None:   # the process's own command line (not a test calling in): it is over
+            _ignore_ending_signals()
+
+
+def _ignore_ending_signals():
+    """The command is done, its clean-up too. The interpreter's shutdown puts the default handlers back, and a stop
+    signal then (a supervisor that keeps sending, a second Ctrl-C) would turn the exit status into -N: ignored."""
+    import signal
+    from rings.interrupts import ENDING
+    for s in ENDING:
+        signal.signal(s, signal.SIG_IGN)
 
 
 if __name__ == "__main__":
