@@ -1020,9 +1020,23 @@ def listen_unix(path, backlog: int = 1) -> socket.socket:
             os.close(dfd)   # (releases the lock)
 
 
+#: the longest unix socket path Python binds or connects: sun_path is 108 bytes on Linux, its NUL included
+SUN_PATH_MAX = 107
+
+
+def check_unix_path(path):
+    """ConfigError when ``path`` cannot name a unix socket at all (bind and connect would say "AF_UNIX path too
+    long" only once the run is under way)."""
+    n = len(os.fsencode(path))
+    if n > SUN_PATH_MAX:
+        raise ConfigError(f"{path}: {n} bytes, longer than a unix socket path can be ({SUN_PATH_MAX}); "
+                          f"choose a shorter one")
+
+
 def check_listen_path(path):
-    """ConfigError when ``path`` could not be listened on: a file there that is not a socket, or a socket somebody
-    listens on. Returns whether a stale socket file is there (listen_unix replaces it)."""
+    """ConfigError when ``path`` could not be listened on: too long, a file there that is not a socket, or a socket
+    somebody listens on. Returns whether a stale socket file is there (listen_unix replaces it)."""
+    check_unix_path(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

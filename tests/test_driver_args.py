@@ -98,6 +98,32 @@ def test_check_refuses_paths_the_run_could_not_create(tmp_path, capsys):
     assert plain.read_text() == "" and live.exists()   # nothing replaced or removed
 
 
+def test_check_refuses_a_socket_path_too_long_for_sun_path(tmp_path, capsys):
+    """A --socket, --ctl or --server socket longer than sun_path passed --check and failed at the run's connect or
+    listen ("AF_UNIX path too long"). The longest path that fits (107 bytes) binds, and passes."""
+    import socket
+    from rings.vhost_user import SUN_PATH_MAX
+    base = str(tmp_path) + "/"
+    fits, long = base + "s" * (SUN_PATH_MAX - len(base)), base + "l" * (SUN_PATH_MAX + 1 - len(base))
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(fits)   # what the run's listen would do: the limit is the one bind has
+    finally:
+        probe.close()
+        os.unlink(fits)
+    nobody = str(tmp_path / "nobody.sock")
+    for argv, words in ((["--socket", long], f"--socket {long}: {SUN_PATH_MAX + 1} bytes"),
+                        (["--socket", long, "--server"], f"--socket {long}: {SUN_PATH_MAX + 1} bytes"),
+                        (["--socket", nobody, "--ctl", long], f"--ctl {long}: {SUN_PATH_MAX + 1} bytes")):
+        rc = cli.main(["driver", "--check"] + argv)
+        out, err = capsys.readouterr()
+        assert rc == 2 and out == "" and words in err, (argv, out, err)
+    for argv in (["--socket", fits], ["--socket", fits, "--server"], ["--socket", nobody, "--ctl", fits]):
+        rc = cli.main(["driver", "--check"] + argv)
+        out, err = capsys.readouterr()
+        assert rc == 0, (argv, out, err)
+
+
 def test_check_json_is_one_document(tmp_path, capsys):
     rc = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check", "--json", "--no-mrg-rxbuf",
                    "--buf-size", "384"])

@@ -7,7 +7,7 @@ import sys
 from rings.affinity import pin_error
 from rings.errors import ConfigError
 from rings.layout import check_size
-from rings.vhost_user import check_listen_path
+from rings.vhost_user import check_listen_path, check_unix_path
 from virtio.app import DriverConfig, run
 from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 from virtio.pool import HEADROOM
@@ -162,6 +162,10 @@ def _check_args(args):
                 check_listen_path(path)
         except ConfigError as e:
             return f"{name} {e}"
+    try:
+        check_unix_path(args.socket)   # --server: checked above; a client connects to it
+    except ConfigError as e:
+        return f"--socket {e}"
     for name, mac in (("--dst-mac", args.dst_mac), ("--src-mac", args.src_mac)):
         parts = mac.split(":")
         if len(parts) != 6 or not all(len(p) == 2 and all(c in "0123456789abcdefABCDEF" for c in p) for p in parts):
