@@ -35,6 +35,7 @@ import numpy as np
 from rings import vhost_user as vu
 from rings.affinity import pin_all_threads
 from rings.errors import PeerGone, VringError
+from rings.interrupts import ENDING
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
 
@@ -134,9 +135,6 @@ def _eventfd_count(fd):
     return vu.eventfd_take(fd)
 
 
-STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
-
-
 class _Stop:
     """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
     --wait sleep through a wakeup pipe), a second one cuts the drain short. While the rings are being set up
@@ -207,7 +205,7 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    old = {s: signal.signal(s, stop) for s in ENDING}
     wakeup = _SignalWakeup()
     result = {"config": asdict(cfg), "warnings": warnings}
     try:
@@ -696,7 +694,7 @@ class _Loop:
             if self.wakeup is not None:
                 # a stop signal whose byte is here may not have had its Python handler run yet: taking the byte
                 # without acting on it would leave the next --wait sleep to its full timeout
-                for signum in self.wakeup.drain() & STOP_SIGNALS:
+                for signum in self.wakeup.drain().intersection(ENDING):
                     self.stop.seen(signum)
                 if self.stop.flag:
                     return True

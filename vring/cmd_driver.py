@@ -88,8 +88,8 @@ def register(sub):
     p.add_argument("--latency-warmup", type=float, default=0.0, metavar="S",
                    help="start the latency histogram over S seconds after the loop starts (default: whole run)")
     p.add_argument("--idle-first", type=float, default=0.0, metavar="S",
-                   help="bring the queues up, then stay idle S seconds before sending (to measure idle CPU); not counted in "
-                        "--seconds, and a signal ends it like the run")
+                   help="bring the queues up, then stay idle S seconds before sending (to measure idle CPU); not "
+                        "counted in --seconds, and a signal ends it like the run")
     p.add_argument("--tx-hdr", choices=TX_HDR, default="headroom",
                    help="where the Tx virtio-net header goes: the packet's headroom (one descriptor, default), "
                         "a descriptor of its own chained before the data, or one indirect descriptor for both")
