@@ -113,8 +113,10 @@ def test_conform_driver_against_dpdk_virtio_user(tmp_path, packed):
                                                packed=packed)
     f = failed_but_dropped(rep, dropped)
     assert set(f) == ({"NET-06", "PACKED-L-05"} if packed else {"NET-06"}), f
-    # the first evidence may be a frame that is not an echo of one Rx delivery (e.g. one seen a second time)
-    assert any("sent back unchanged" in e for e in f["NET-06"]), f["NET-06"]
+    # DPDK's PMD leaves num_buffers as it finds it: the device's value in a header it echoes, or 1. Which frames the
+    # kept evidence lines are depends on timing: in CI all of them were once frames not matched to one Rx delivery
+    # (num_buffers 1, no "sent back unchanged"). Any other value, not an echo, would be a different defect.
+    assert all("sent back unchanged" in e or "num_buffers 1 in the header" in e for e in f["NET-06"]), f["NET-06"]
     assert rep["error"] is None, rep["context"]
     r = rows(rep)
     for rid in (["PACKED-D-03", "PACKED-D-04", "PACKED-D-14", "EVT-24"] if packed else
