@@ -1,6 +1,7 @@
 """Signals that end a run the way Ctrl-C does, and clean-ups they must not cut short (one place for every
 command: `vring bench`, `vring demo`, `vring conform`, rings.twoproc)."""
 import contextlib
+import os
 import signal
 
 #: what a supervisor (SIGTERM) or a closed terminal (SIGHUP) sends, beside Ctrl-C (SIGINT)
@@ -35,3 +36,28 @@ def held_back():
     finally:
         if old is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class SignalWakeup:
+    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a select on its read end returns as
+    soon as a signal arrives, where PEP 475 would resume the sleep after the Python handler ran. Main thread only;
+    only signals with a Python handler write their number."""
+
+    def __init__(self):
+        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.old = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
+
+    def drain(self):
+        """Empty the pipe; the signal numbers it held (one byte each)."""
+        got = b""
+        try:
+            while chunk := os.read(self.rfd, 64):
+                got += chunk
+        except BlockingIOError:
+            pass
+        return set(got)
+
+    def close(self):
+        signal.set_wakeup_fd(self.old)
+        os.close(self.rfd)
+        os.close(self.wfd)

@@ -8,9 +8,11 @@ killed by pid and its /dev/shm segments removed, so that a failing test leaves n
 import errno
 import glob
 import os
+import socket
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -401,3 +403,46 @@ def test_main_of_a_test_leaves_the_signal_handlers_alone(monkeypatch):
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     assert cli.main(["driver", "--socket", "/nonexistent/x.sock", "--check", "--json"]) in (0, 2)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+@pytest.mark.parametrize("how", ["listening", "connected", "client"])
+def test_vhost_a_stop_signal_ends_its_longest_wait_at_once(tmp_path, monkeypatch, how):
+    """PEP 475 resumes a select() or sleep() that a signal interrupts: `vring vhost` used to wait out its idle
+    timeout (0.2 s) or its --reconnect pause before it saw the stop. Its waits now include a signal wakeup pipe.
+    Here every wait is 30 s long and the signal comes from another thread (as one delivered to a thread of its
+    --ctl server or of numpy would): the command must end long before a wait runs out."""
+    from vhost.server import Server
+    monkeypatch.setattr(Server, "idle_timeout", 30.0)
+    sock = tmp_path / "v.sock"
+    args = ["vhost", "--socket", str(sock), "--handshake-timeout", "60"]
+    if how == "client":
+        args += ["--client", "--reconnect", "30"]
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    frontend = None
+
+    def kill_soon():
+        nonlocal frontend
+        deadline = time.monotonic() + 20
+        while how != "client" and not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if how == "connected":   # a frontend that connects and says nothing (the handshake wait is 60 s)
+            frontend = socket.socket(socket.AF_UNIX)
+            frontend.connect(str(sock))
+        time.sleep(0.3)          # the server is inside its wait by now
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    t = threading.Thread(target=kill_soon)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        rc = cli.main(args)
+    finally:
+        t.join()
+        took = time.monotonic() - t0
+        for s, h in before.items():
+            signal.signal(s, h)
+        if frontend is not None:
+            frontend.close()
+    assert rc == 0
+    assert took < 10, f"{took:.1f} s: the signal did not end the 30 s wait"
+    assert not sock.exists()

@@ -11,8 +11,9 @@ import time
 import pytest
 
 from rings.layout import VIRTIO_F_VERSION_1, bit
+from rings.interrupts import SignalWakeup
 from vhost.datapath import Options
-from virtio.app import DriverConfig, _Loop, _SignalWakeup, _Stop, run
+from virtio.app import DriverConfig, _Loop, _Stop, run
 from virtio.net import NetQueues
 from vhost.testing import ThreadedServer
 
@@ -72,7 +73,7 @@ def test_a_stop_signal_found_in_the_wakeup_pipe_ends_the_loop_before_its_handler
     --wait sleep ran its full 0.1 s. Here the C-level handler's byte is in the pipe and the Python handler has not
     run: _done must stop on the byte. A byte of another signal is taken and ignored (no busy wake-ups)."""
     nq = NetQueues(bit(VIRTIO_F_VERSION_1), size=8, nbufs=32, buf_size=2048)
-    wakeup = _SignalWakeup()
+    wakeup = SignalWakeup()
     try:
         stop = _Stop()
         stop.setup = False   # the rings are up

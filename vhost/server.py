@@ -25,6 +25,7 @@ import time
 
 from rings import vhost_user as vu
 from rings.errors import GuestMemoryFault, PeerGone, ProtocolError, ProtocolTimeout, VringError
+from rings.interrupts import ENDING
 
 from .datapath import Options, add_stats, split_stats
 from .device import NetDevice, Refused, Reply
@@ -49,6 +50,8 @@ def _hung_up(sock):
 
 
 class Server:
+    idle_timeout = 0.2   # the longest wait on the sockets with nothing to do (stop() from another thread: seen within)
+
     def __init__(self, path, options: Options | None = None, client=False, reconnect_s=1.0, budget_us=500,
                  stats_interval=0.0, json_stats=False, out=None, device_kw=None,
                  handshake_timeout=HANDSHAKE_TIMEOUT):
@@ -75,6 +78,7 @@ class Server:
         self.totals: dict = {}
         self.stopping = False
         self._exchanging = False          # inside a message's receive or reply: on_signal interrupts it
+        self.wakeup = None                # a rings.interrupts.SignalWakeup: a stop signal ends every wait at once
         self._next_connect = 0.0
         self.t0 = time.monotonic()
         self._next_stats = self.t0 + stats_interval if stats_interval > 0 else None
@@ -105,7 +109,7 @@ class Server:
         if self.client:
             wait = self._next_connect - time.monotonic()
             if wait > 0:
-                time.sleep(min(wait, timeout))
+                self._select([], min(wait, timeout))
                 return
             self._next_connect = time.monotonic() + self.reconnect_s
             try:
@@ -114,8 +118,8 @@ class Server:
                 log.debug("connect to %s: %s", self.path, e)
                 return
         else:
-            r, _, _ = select.select([self.listener], [], [], timeout)
-            if not r:
+            r = self._select([self.listener], timeout)
+            if self.listener not in r:
                 return
             try:
                 sock, _ = self.listener.accept()
@@ -125,6 +129,16 @@ class Server:
             conn = vu.Connection(sock)
         self.attach(conn)
         log.info("connection accepted")
+
+    def _select(self, waits, timeout):
+        """select() for reading on ``waits`` and the signal wakeup pipe, if any. PEP 475 resumes a select that a
+        signal interrupts, so the pipe is what ends the wait; a stop signal's byte sets ``stopping`` itself, in
+        case the Python handler has not run yet (it runs in the main thread, at its next bytecode)."""
+        w = self.wakeup
+        r, _, _ = select.select(waits if w is None else [*waits, w.rfd], [], [], timeout)
+        if w is not None and w.rfd in r and w.drain().intersection(ENDING):
+            self.stopping = True
+        return r
 
     def attach(self, conn: vu.Connection):
         """Serve this connected frontend from now on (also for tests and fuzzing: a socketpair end)."""
@@ -252,8 +266,10 @@ class Server:
 
     # -- the loop --------------------------------------------------------------------------------
 
-    def poll_once(self, idle_timeout=0.2):
+    def poll_once(self, idle_timeout=None):
         """One round: a data-path slice (if running) and at most one control message."""
+        if idle_timeout is None:
+            idle_timeout = self.idle_timeout
         if self.conn is None:
             self._connect(idle_timeout)
             return
@@ -289,9 +305,11 @@ class Server:
                 if kick >= 0:
                     waits.append(kick)
         try:
-            r, _, _ = select.select(waits, [], [], timeout)
+            r = self._select(waits, timeout)
         except (OSError, ValueError):
             r = [sock]
+        if self.stopping:   # a signal ended the wait: a message now would only be cut short
+            return
         if kick is not None and kick >= 0 and kick in r:
             dev.kicked()
         if sock in r:   # first: it may be the EOF of a frontend whose successor is what the listener has

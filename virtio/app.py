@@ -35,7 +35,7 @@ import numpy as np
 from rings import vhost_user as vu
 from rings.affinity import pin_all_threads
 from rings.errors import PeerGone, VringError
-from rings.interrupts import ENDING
+from rings.interrupts import ENDING, SignalWakeup
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
 
@@ -160,30 +160,6 @@ class _Stop:
             self.flag, self.when, self.signum = True, time.monotonic(), signum
 
 
-class _SignalWakeup:
-    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a select on its read end returns as
-    soon as a signal arrives, where PEP 475 would resume the sleep after the Python handler ran."""
-
-    def __init__(self):
-        self.rfd, self.wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.old = signal.set_wakeup_fd(self.wfd, warn_on_full_buffer=False)
-
-    def drain(self):
-        """Empty the pipe; the signal numbers it held (one byte each)."""
-        got = b""
-        try:
-            while chunk := os.read(self.rfd, 64):
-                got += chunk
-        except BlockingIOError:
-            pass
-        return set(got)
-
-    def close(self):
-        signal.set_wakeup_fd(self.old)
-        os.close(self.rfd)
-        os.close(self.wfd)
-
-
 def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     """Run the driver; returns the counters dict. ``on_ready()`` is called once the device is started. A typed error
     (VringError) that ends the run after that carries the counters so far, the error among them, as ``e.report``.
@@ -206,7 +182,7 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     nq = ctl = pcap = None
     stop = _Stop()
     old = {s: signal.signal(s, stop) for s in ENDING}
-    wakeup = _SignalWakeup()
+    wakeup = SignalWakeup()
     result = {"config": asdict(cfg), "warnings": warnings}
     try:
         sess.open()

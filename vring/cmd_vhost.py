@@ -8,6 +8,7 @@ import sys
 from rings.affinity import pin_all_threads, pin_error
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
+from rings.interrupts import ENDING, SignalWakeup
 
 from . import snapshot_options
 
@@ -109,7 +110,7 @@ def run(args):
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # each ends it cleanly: the socket file goes too
+    for s in ENDING:   # each ends it cleanly: the socket file goes too
         signal.signal(s, server.on_signal)
     ctl = None
     try:   # a live socket at either path is never taken over: a clear error, exit 2
@@ -136,9 +137,11 @@ def run(args):
         server.options = dataclasses.replace(opts, pcap=pcap)   # no connection yet: each one's device takes these
     if not args.client:
         print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
+    server.wakeup = SignalWakeup()   # a stop signal ends whatever wait the server is in at once
     try:
         server.serve(max_connections=args.max_connections)
     finally:
+        server.wakeup.close()
         if ctl is not None:
             ctl.close()
         if pcap is not None:
