@@ -45,8 +45,8 @@ from .frontend import want_features
 from rings.ctl import ControlServer
 
 from .ledger import SEQ_BAD, SEQ_MASK, Ledger, count_seqs, population
-from .net import (INDIRECT_MAX, PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, check_tx_hdr,
-                  frame_segments)
+from .net import (PUBLISH_EVERY, NetQueues, check_injected, check_rx_frame, check_tx_frame, check_tx_hdr,
+                  frame_segments, indirect_table_len)
 from .pool import HEADROOM
 from .session import Session
 
@@ -109,7 +109,7 @@ class DriverConfig:
         """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
         returns warnings (spec SHOULDs the configuration does not meet, and frames DPDK's net_vhost never delivers)."""
         frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
-        check_tx_hdr(self.tx_hdr, features, min(INDIRECT_MAX, self.ring_size))
+        check_tx_hdr(self.tx_hdr, features, indirect_table_len(self.ring_size))
         geometry = dict(buf_size=self.buf_size, headroom=self.headroom)
         # the --pkt-size frames this driver builds: sent (txonly, rate) or injected and forwarded (macfwd --count);
         # a macfwd without --count forwards what it receives, whatever its size

@@ -110,9 +110,15 @@ def frame_segments(frame_len, buf_size, headroom=HEADROOM):
     return max(1, -(-frame_len // (buf_size - headroom)))
 
 
+def indirect_table_len(size, indirect_max=INDIRECT_MAX):
+    """Entries of the Tx indirect tables on a queue of ``size``: a table holds at most the queue size (SPLIT-D-05;
+    the engine refuses larger ones)."""
+    return min(indirect_max, size)
+
+
 def check_tx_hdr(hdr, features, indirect_max):
     """ConfigError when the Tx header placement ``hdr`` cannot be used with these features and tables of
-    ``indirect_max`` entries (``min(INDIRECT_MAX, queue size)``)."""
+    ``indirect_max`` entries (``indirect_table_len``)."""
     if hdr == "indirect" and not has(features, VIRTIO_F_INDIRECT_DESC):
         raise ConfigError("indirect Tx headers need VIRTIO_F_INDIRECT_DESC negotiated")
     # a table holds 2..queue size entries (SPLIT-D-05): a queue of one entry has none, its chains are direct
@@ -144,7 +150,8 @@ def check_tx_frame(frame_len, features, size, buf_size=2048, headroom=HEADROOM, 
     a chain longer than the queue size is forbidden, an indirect table's entries included (SPLIT-D-05,
     PACKED-D-09/19), and vn_tx_one refuses it (the packet would be retried forever). Returns (chain, slots)
     otherwise."""
-    chain, slots = tx_descs(frame_len, features, buf_size, headroom, hdr, force_slow, min(indirect_max, size))
+    chain, slots = tx_descs(frame_len, features, buf_size, headroom, hdr, force_slow,
+                            indirect_table_len(size, indirect_max))
     if chain <= size:
         return chain, slots
     room = buf_size - headroom
@@ -471,8 +478,7 @@ class NetQueues:
         fmt = fmt or ("packed" if has(features, VIRTIO_F_RING_PACKED) else "split")
         self.features, self.fmt, self.size, self.burst = features, fmt, size, burst
         nbufs = nbufs or max(4096, 4 * size + 8 * burst)
-        # an indirect table holds at most the queue size (SPLIT-D-05); the engine refuses larger ones
-        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, min(indirect_max, size))
+        self.mem = GuestMemory(fmt, size, nbufs, buf_size, headroom, indirect_table_len(size, indirect_max))
         self.pool = self.mem.pool
         self.rx = RxQueue(self.mem, features, burst, kickfd=kickfds[RXQ], callfd=callfds[RXQ])
         self.tx = TxQueue(self.mem, features, kickfd=kickfds[TXQ], force_slow=force_slow, **tx_variants)
