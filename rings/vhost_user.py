@@ -1028,6 +1028,8 @@ def check_unix_path(path):
     """ConfigError when ``path`` cannot name a unix socket at all (bind and connect would say "AF_UNIX path too
     long" only once the run is under way)."""
     n = len(os.fsencode(path))
+    if n == 0:   # bind and connect say only "Invalid argument" or "No such file"
+        raise ConfigError("an empty path names no unix socket")
     if n > SUN_PATH_MAX:
         raise ConfigError(f"{path}: {n} bytes, longer than a unix socket path can be ({SUN_PATH_MAX}); "
                           f"choose a shorter one")

@@ -140,3 +140,15 @@ def test_vhost_max_connections_below_one_is_a_usage_error(tmp_path, capsys, n):
     err = capsys.readouterr().err
     assert rc == 2 and "--max-connections must be >= 1" in err, err
     assert not (tmp_path / "v.sock").exists()
+
+@pytest.mark.parametrize("server", [False, True], ids=["client", "server"])
+def test_check_refuses_an_empty_socket_path(capsys, server):
+    """--socket "" passed --check; the run then failed at connect ("Invalid argument") or listen ("No such file")."""
+    rc = cli.main(["driver", "--check", "--socket", ""] + ["--server"] * server)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "empty path" in err, (out, err)
+
+
+def test_vhost_refuses_an_empty_socket_path(capsys):
+    assert cli.main(["vhost", "--socket", ""]) == 2
+    assert "empty path" in capsys.readouterr().err

@@ -19,6 +19,9 @@ def main(argv=None):
     # (exit 130, no traceback), so it is inside the try too.
     try:
         args = build_parser().parse_args(argv)
+        # the process's own command line: a command's stop-signal handlers give way to SIG_IGN, not to what was
+        # there before (the default action, which would kill it on its way out); a test calling in gets its own back
+        args.own_process = argv is None
         return args.run(args) or 0
     except KeyboardInterrupt:
         return 130

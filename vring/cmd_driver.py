@@ -221,7 +221,7 @@ def main(args):
                   f"{'s' * (len(warnings) != 1)}); not connected")
         return 0
     try:
-        res = run(cfg, after_signals=signal.SIG_IGN)
+        res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create

@@ -110,8 +110,17 @@ def run(args):
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
-    for s in ENDING:   # each ends it cleanly: the socket file goes too
-        signal.signal(s, server.on_signal)
+    old = {s: signal.signal(s, server.on_signal) for s in ENDING}   # each ends it cleanly: the socket file goes too
+    try:
+        return _serve(args, server, opts)
+    finally:   # see cli.main: SIG_IGN for the process's own command line, a test's own handlers otherwise
+        after = signal.SIG_IGN if getattr(args, "own_process", False) else None
+        for s, h in old.items():
+            signal.signal(s, h if after is None else after)
+
+
+def _serve(args, server, opts):
+    """Open the sockets and serve; the stop signals' handlers are installed."""
     ctl = None
     try:   # a live socket at either path is never taken over: a clear error, exit 2
         server.open()
