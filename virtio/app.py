@@ -366,6 +366,7 @@ class _Loop:
         self.pcap = pcap               # rings.pcap.PcapWriter: the loops run a burst at a time from Python
         self.wakeup = wakeup           # signals wake the --wait sleeps at once (a wakeup pipe)
         self.noisy_sock = None         # a socket that sent unexpected bytes: no longer a wakeup source
+        self.pace = None               # rate mode: the C pacer's state, once the paced loop starts
         self.next_watch = 0.0
         self.deadline = float("inf")
         self.t_end = None
@@ -521,6 +522,8 @@ class _Loop:
                     self.sent_seq[self.seq - k:self.seq - k + sent] = True
                 self.injected += sent
                 left -= k
+        if self.stop.flag:   # a signal ended --idle-first (txonly would send a burst before its first look)
+            return
         while True:
             try:
                 getattr(self, "_run_" + cfg.mode)(deadline)
@@ -804,10 +807,10 @@ class _Loop:
             out["latency"] = latency_summary(self.lat)
             out["latency"]["after_warmup_s"] = self.cfg.latency_warmup if self.lat_reset_at is None else None
         if self.cfg.mode == "rate":
-            pc = self.pace
-            out["rate"] = {"offered_pps": self.cfg.rate, "offered": int(pc.offered),
+            pc = self.pace   # None: the run ended before its first paced step (a signal during --idle-first)
+            out["rate"] = {"offered_pps": self.cfg.rate, "offered": int(pc.offered) if pc else 0,
                            "sent": int(nq.tx.c.packets), "tx_dropped": int(nq.tx.c.dropped),
-                           "pool_empty_steps": int(pc.nobuf)}
+                           "pool_empty_steps": int(pc.nobuf) if pc else 0}
         if self.cfg.verify:
             out["verify"] = {"bad": self.bad}
             v = out["verify"]
