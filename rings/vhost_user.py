@@ -1043,6 +1043,8 @@ def check_listen_path(path):
         st = os.lstat(path)
     except FileNotFoundError:
         return False
+    except (OSError, ValueError) as e:   # a plain file on the way (ENOTDIR), a loop, a NUL in the path
+        raise ConfigError(f"{path}: {getattr(e, 'strerror', None) or e}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise ConfigError(f"{path} exists and is not a socket; not removing it")
     if socket_is_live(path):

@@ -152,3 +152,28 @@ def test_check_refuses_an_empty_socket_path(capsys, server):
 def test_vhost_refuses_an_empty_socket_path(capsys):
     assert cli.main(["vhost", "--socket", ""]) == 2
     assert "empty path" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["ctl-is-server-socket", "pcap-is-server-socket", "pcap-is-ctl-by-symlink",
+                                  "server-dir-missing", "ctl-trailing-slash", "server-socket-under-a-file"])
+def test_check_refuses_what_the_run_would_refuse(tmp_path, capsys, case):
+    """helper-68: each passed --check and failed once the run was under way (or, the last, with a traceback)."""
+    sock = str(tmp_path / "s.sock")
+    (tmp_path / "plain").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path)
+    argv = {"ctl-is-server-socket": ["--server", "--socket", sock, "--ctl", sock],
+            "pcap-is-server-socket": ["--server", "--socket", sock, "--pcap", sock],
+            "pcap-is-ctl-by-symlink": ["--socket", sock, "--pcap", str(tmp_path / "link" / "p"),
+                                       "--ctl", str(tmp_path / "p")],
+            "server-dir-missing": ["--server", "--socket", str(tmp_path / "nodir" / "s.sock")],
+            "ctl-trailing-slash": ["--socket", sock, "--ctl", str(tmp_path / "c.sock") + "/"],
+            "server-socket-under-a-file": ["--server", "--socket", str(tmp_path / "plain" / "s.sock")]}[case]
+    rc = cli.main(["driver", "--check"] + argv)
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.startswith("vring driver: --") and "Traceback" not in err, (argv, out, err)
+
+
+def test_vhost_socket_under_a_plain_file_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "plain").write_text("")
+    assert cli.main(["vhost", "--socket", str(tmp_path / "plain" / "s.sock")]) == 2
+    assert "Not a directory" in capsys.readouterr().err

@@ -149,13 +149,19 @@ def _check_args(args):
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
     # created once the device runs (or, --server, before connecting): what can be known now is said now
-    for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    made = [(name, path) for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl),
+                                            ("--socket", args.socket if args.server else None)) if path]
+    for name, path in made:
+        if path.endswith("/"):   # abspath would drop it; open and bind would not
+            return f"{name} {path}: a trailing / names a directory, not a file"
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             return f"{name} {path}: there is no directory {os.path.dirname(os.path.abspath(path))}"
     if args.pcap and os.path.isdir(args.pcap):
         return f"--pcap {args.pcap} is a directory"
-    if args.pcap and args.ctl and os.path.abspath(args.pcap) == os.path.abspath(args.ctl):
-        return f"--pcap and --ctl are the same path, {args.pcap}"
+    for i, (a, pa) in enumerate(made):   # one file under two options (symlinks resolved): one would take the other's
+        for b, pb in made[i + 1:]:
+            if os.path.realpath(pa) == os.path.realpath(pb):
+                return f"{a} and {b} are the same path, {pa}"
     for name, path in (("--ctl", args.ctl), ("--socket", args.socket if args.server else None)):
         try:
             if path:
