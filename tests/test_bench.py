@@ -441,3 +441,11 @@ def test_points_are_split_by_placement_and_compared_within_each():
     one, _ = bench.aggregate(cfg, runs)
     assert "placements" not in one and "by_placement" not in one["vs_dpdk"]
     assert bench._placement_table_lines([one], rates=False) == []
+
+
+def test_rate_runs_are_checked_as_paced_not_against_inject():
+    """helper-68: --rate 10k --pkt-size 4000 was refused for 256 injected frames that rate mode never injects (our
+    driver's --check passes it); a closed loop of them is still refused."""
+    bench.BenchConfig(pkt_sizes=[4000], rates=[10000], seconds=1).validate()
+    with pytest.raises(ValueError, match="inject at most"):
+        bench.BenchConfig(pkt_sizes=[4000], seconds=1).validate()

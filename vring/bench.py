@@ -241,8 +241,11 @@ class BenchConfig:
 
             def refusal(size, headroom):
                 try:
-                    DriverConfig("", ring_size=self.ring_size, mode="macfwd", count=self.inject, pkt_size=size,
-                                 mrg_rxbuf=self.mrg_rxbuf, tx_hdr=self.tx_hdr, headroom=headroom).check()
+                    # as each point starts it: paced (nothing injected), or a loop of --inject frames
+                    run = dict(mode="rate", rate=self.rates[0]) if self.rates else dict(mode="macfwd",
+                                                                                          count=self.inject)
+                    DriverConfig("", ring_size=self.ring_size, pkt_size=size, mrg_rxbuf=self.mrg_rxbuf,
+                                 tx_hdr=self.tx_hdr, headroom=headroom, **run).check()
                 except ConfigError as e:
                     return e
                 return None
