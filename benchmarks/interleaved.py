@@ -56,7 +56,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from rings.affinity import line_transfer_ns  # noqa: E402
-from rings.errors import VringError  # noqa: E402
+from rings.errors import ConfigError, VringError  # noqa: E402
+from rings.vhost_user import check_unix_path  # noqa: E402
 from vring import dpdk  # noqa: E402
 from vring.bench import placement_threshold  # noqa: E402
 
@@ -269,7 +270,13 @@ def _driver_argv(args, sock, extra, check=False):
             "--mode", "macfwd", "--count", str(args.inject), "--latency", *extra, *(("--check",) if check else ())]
 
 
-def _check_driver(variant, args, driver, extra):
+def _longest_socket(args, nvariants):
+    """The longest socket path a pair will have (workdir from mkdtemp: the prefix and 8 characters)."""
+    return os.path.join(tempfile.gettempdir(), "vring-interleaved-" + "x" * 8,
+                        f"p{nvariants * args.instances - 1}.sock")
+
+
+def _check_driver(variant, args, driver, extra, sock):
     """Failure, with our driver's own message, when it would refuse the variant's arguments: said before any pair
     starts, not at the first pair's start with every earlier pair left to stop."""
     env = _tree_env(driver)
@@ -278,9 +285,8 @@ def _check_driver(variant, args, driver, extra):
         raise Failure(f"variant {variant!r}: our driver does not start: {_last_line(helps)}")
     if "--check" not in helps.stdout:   # a tree from before --check: its refusals come at its pair's start
         return
-    r = subprocess.run(_driver_argv(args, os.path.join(tempfile.gettempdir(), "vring-interleaved-check.sock"),
-                                    [*extra, "--json"], check=True), env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(_driver_argv(args, sock, [*extra, "--json"], check=True), env=env, capture_output=True,
+                       text=True, timeout=120)
     if r.returncode != 0:
         raise Failure(f"variant {variant!r}: our driver refuses it: {_last_line(r)}")
     try:   # exit 0 is not enough: `-h` among the arguments prints the help and exits 0 too
@@ -501,6 +507,12 @@ def main():
         ap.error(f"--variants: {', '.join(map(repr, twice))} more than once (the results are keyed by variant)")
     if args.json and not _writable(args.json):
         ap.error(f"--json {args.json}: cannot write there")
+    sock = _longest_socket(args, len(variants))
+    try:   # the tool's own paths, not a variant's fault
+        check_unix_path(sock)
+    except ConfigError as e:
+        ap.error(f"the pairs' sockets under TMPDIR {tempfile.gettempdir()} would be too long ({e}); "
+                 f"set a shorter TMPDIR")
     try:  # every variant checked before anything starts
         sides = [_sides(v, args.device) for v in variants]
         for v, (driver, device, extra) in zip(variants, sides):
@@ -519,7 +531,7 @@ def main():
                 if side != "dpdk":
                     _tree(side)
             if driver != "dpdk":
-                _check_driver(v, args, driver, extra)
+                _check_driver(v, args, driver, extra, sock)
     except Failure as e:
         ap.error(str(e))
     if any("dpdk" in s[:2] for s in sides) and dpdk.skip_reason():

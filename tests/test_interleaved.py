@@ -211,10 +211,10 @@ def test_a_tree_without_check_is_told_by_its_help(tmp_path, cli, refused):
     tree = _fake_tree(tmp_path, cli)
     args = SimpleNamespace(path="split", cpus=[0, 1], inject=32)
     if refused is None:
-        assert m._check_driver("ours@x", args, f"ours@{tree}", []) is None
+        assert m._check_driver("ours@x", args, f"ours@{tree}", [], str(tmp_path / "s.sock")) is None
     else:
         with pytest.raises(m.Failure, match=refused):
-            m._check_driver("ours@x", args, f"ours@{tree}", [])
+            m._check_driver("ours@x", args, f"ours@{tree}", [], str(tmp_path / "s.sock"))
 
 
 def test_ours_at_tree_runs_that_trees_code_from_a_checkout(tmp_path):
@@ -623,3 +623,14 @@ def test_instances_mean_not_median_and_placement_needs_two_probes_a_side():
     assert m.placement_threshold([50.0] * 7 + [400.0]) is None       # nor with fewer than 10 probes
     assert m.placement_threshold([40.0] * 8 + [100.0] * 8) is not None   # 2.5x apart: two
     assert m.placement_threshold([40.0] * 5 + [80.0] * 5) is not None    # exactly 2x: two
+
+
+def test_a_tmpdir_too_long_for_the_pairs_sockets_is_the_tools_refusal_not_a_variants(tmp_path):
+    """helper-68: with a long TMPDIR the check of `ours` failed on the tool's own check socket, blamed on the
+    variant; a TMPDIR a few bytes shorter passed the check and the first pair failed at start."""
+    deep = tmp_path / ("d" * max(1, 80 - len(str(tmp_path))))
+    deep.mkdir()
+    r = subprocess.run([sys.executable, TOOL, "--variants", "ours", "--device", "ours"], capture_output=True,
+                       text=True, timeout=60, env=dict(_env(tmp_path), TMPDIR=str(deep)))
+    assert r.returncode == 2 and "set a shorter TMPDIR" in r.stderr and "variant 'ours'" not in r.stderr, r.stderr
+    assert os.listdir(deep) == []
