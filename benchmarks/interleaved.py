@@ -271,9 +271,10 @@ def _driver_argv(args, sock, extra, check=False):
 
 
 def _longest_socket(args, nvariants):
-    """The longest socket path a pair will have (workdir from mkdtemp: the prefix and 8 characters)."""
+    """A path as long as the longest socket path a pair will have (workdir from mkdtemp: the prefix and 8
+    characters), for the checks; c<k>, not a pair's p<k>, so that nobody takes the check for a pair."""
     return os.path.join(tempfile.gettempdir(), "vring-interleaved-" + "x" * 8,
-                        f"p{nvariants * args.instances - 1}.sock")
+                        f"c{nvariants * args.instances - 1}.sock")
 
 
 def _check_driver(variant, args, driver, extra, sock):
