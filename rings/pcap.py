@@ -8,8 +8,10 @@ leave out. The frames handed to it are Ethernet frames: the virtio-net header al
 hand it whole frames with their time, truncated to whole microseconds first so that its rounding never
 produces a microsecond field of 1000000.
 """
+import collections
 import logging
 import os
+import select
 
 import dpkt
 
@@ -18,67 +20,124 @@ log = logging.getLogger(__name__)
 SNAPLEN = 262144  # tcpdump's default; a virtio-net frame (64 KiB + header at most) always fits whole
 
 
+class _Sink:
+    """The file object dpkt's Writer writes to: each write() is one whole record (or the file header)."""
+
+    def __init__(self, writer):
+        self.write = writer._take
+
+
 class PcapWriter:
+    """Frames are serialised into a private backlog and written to a non-blocking fd. A regular file takes every
+    write whole. A FIFO or pipe whose reader falls behind fills its buffer; the backlog then grows up to
+    ``BACKLOG`` bytes, after which frames are dropped and counted (``dropped``) instead of blocking the data path:
+    a capture must never be able to stop the rings, nor a signal from ending the process. Only whole records
+    are dropped, so the file stays readable."""
+
+    BACKLOG = 4 << 20      # bytes waiting for a slow reader before frames are dropped
+    FLUSH_AT = 8192        # write the backlog out once it holds this much (a BufferedWriter's size)
+    CLOSE_GRACE_S = 0.25   # at close, wait this long for a reader that makes no progress
+
     def __init__(self, path, count=None):
         if count is not None and count < 0:
             raise ValueError(f"pcap count must be >= 0, not {count}")
         self.path = os.fspath(path)
         self.limit = count
-        self.written = 0
+        self.written = 0   # frames whole in the file
         self.left_out = 0  # frames offered after the limit was reached (or the file failed)
+        self.dropped = 0   # frames a reader too slow for the data path did not get (backlog full, or at close)
         self.error = None  # the write error that ended the capture (disk full, ...): the run goes on without it
-        # packet data: private. Non-blocking open: a FIFO nobody reads is an error (ENXIO), not a hang
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-        os.set_blocking(fd, True)
-        self._f = os.fdopen(fd, "wb")
-        self._w = dpkt.pcap.Writer(self._f, snaplen=SNAPLEN, linktype=dpkt.pcap.DLT_EN10MB)
+        self.taken = 0     # frames accepted: written, or still in the backlog
+        # packet data: private. Non-blocking open: a FIFO nobody reads is an error (ENXIO), not a hang. And it
+        # stays non-blocking: see the class docstring
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        self._backlog = bytearray()
+        self._sent = 0               # bytes of the stream written to the fd so far
+        self._whole = 0              # ... of which whole records (and the file header) end here
+        self._ends = collections.deque()  # stream offset where each backlog record ends
+        self._w = dpkt.pcap.Writer(_Sink(self), snaplen=SNAPLEN, linktype=dpkt.pcap.DLT_EN10MB)
+        self._whole = self._ends.pop()  # the file header is not a frame
+        self._drain()
+
+    def _take(self, record):
+        self._backlog += record
+        self._ends.append(self._sent + len(self._backlog))
 
     @property
     def full(self):
         """No more frames are taken: the limit was reached, or the file failed."""
-        return self.error is not None or self.limit is not None and self.written >= self.limit
+        return self.error is not None or self.limit is not None and self.taken >= self.limit
 
     def write(self, frame, t_ns):
-        """One frame seen at ``t_ns`` (time.time_ns()). False if the limit had been reached or the file failed."""
-        if self._f is None or self.full:
+        """One frame seen at ``t_ns`` (time.time_ns()). False if it was not taken: the limit had been reached, the
+        file failed, or the reader is too far behind."""
+        if self._fd is None or self.full:
             self.left_out += 1
             return False
+        if len(self._backlog) >= self.BACKLOG:
+            self._drain()
+            if len(self._backlog) >= self.BACKLOG:
+                self.dropped += 1
+                return False
         sec, ns = divmod(int(t_ns), 1_000_000_000)
-        try:
-            self._w.writepkt_time(bytes(frame[:SNAPLEN]), sec + (ns // 1000) / 1e6)
-        except OSError as e:
-            self._failed(e)
-            self.left_out += 1
-            return False
-        self.written += 1
+        self._w.writepkt_time(bytes(frame[:SNAPLEN]), sec + (ns // 1000) / 1e6)
+        self.taken += 1
+        if len(self._backlog) >= self.FLUSH_AT:
+            self._drain()
         return True
 
+    def _drain(self):
+        """Write what the fd takes now, without waiting. False if something is left."""
+        while self._backlog and self._fd is not None:
+            try:
+                n = os.write(self._fd, self._backlog)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                self._failed(e)
+                return False
+            del self._backlog[:n]
+            self._sent += n
+            while self._ends and self._ends[0] <= self._sent:
+                self._whole = self._ends.popleft()
+                self.written += 1
+        return not self._backlog
+
     def _failed(self, e):
-        """A capture is a by-product: its file failing (ENOSPC, EIO) ends the capture, not the run."""
+        """A capture is a by-product: its file failing (ENOSPC, EIO, EPIPE) ends the capture, not the run."""
         self.error = f"{type(e).__name__}: {e}"
         log.error("pcap %s: %s; capture stopped after %d frames", self.path, self.error, self.written)
-        f, self._f = self._f, None
-        try:
-            f.close()
-        except OSError:
-            pass
+        self._close_fd()
+
+    def _close_fd(self):
+        fd, self._fd = self._fd, None
+        self.dropped += len(self._ends)   # taken, never whole in the file
+        self._ends.clear()
+        self._backlog.clear()
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def flush(self):
-        if self._f is not None:
-            try:
-                self._f.flush()
-            except OSError as e:
-                self._failed(e)
+        """Write out the backlog, as far as the fd takes it now."""
+        self._drain()
 
     def close(self):
-        if self._f is not None:
-            f, self._f = self._f, None
-            try:
-                f.close()
-            except OSError as e:
-                self._f = f
-                self._failed(e)
+        """Write out the backlog, waiting up to CLOSE_GRACE_S for a reader that makes no progress."""
+        if self._fd is None:
+            return
+        while not self._drain() and self._fd is not None:
+            before = self._sent
+            select.select([], [self._fd], [], self.CLOSE_GRACE_S)
+            if not self._drain() and self._sent == before:
+                torn = self._sent > self._whole
+                self.error = "the reader stopped reading" + ("; the file ends inside a frame" if torn else "")
+                log.error("pcap %s: %s; %d frames not written", self.path, self.error, len(self._ends))
+                break
+        self._close_fd()
 
     def stats(self):
         return {"path": self.path, "written": self.written, "limit": self.limit, "left_out": self.left_out,
-                "error": self.error}
+                "dropped": self.dropped, "error": self.error}

@@ -7,7 +7,9 @@ its descendants are collected before the signal and checked afterwards, and what
 killed by pid and its /dev/shm segments removed, so that a failing test leaves nothing behind."""
 import errno
 import glob
+import json
 import os
+import re
 import socket
 import signal
 import subprocess
@@ -450,3 +452,48 @@ def test_vhost_a_stop_signal_ends_its_longest_wait_at_once(tmp_path, monkeypatch
     assert rc == 0
     assert took < 10, f"{took:.1f} s: the signal did not end the 30 s wait"
     assert not sock.exists()
+
+
+@pytest.mark.parametrize("side", ["vhost", "driver"])
+def test_a_pcap_fifo_whose_reader_stopped_reading_neither_blocks_the_rings_nor_the_stop(tmp_path, side):
+    """`--pcap FIFO` with a reader that opened it and then stopped reading: the capture used to write to a blocking
+    fd, and once the pipe was full the data path sat in write() for ever, where PEP 475 resumed it after every
+    SIGTERM. The capture is a by-product: frames the reader cannot take are dropped and counted, the rings run on,
+    and a SIGTERM ends the process with 0."""
+    fifo, sock = tmp_path / "cap.fifo", tmp_path / "v.sock"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # open, never read
+    (tmp_path / "v").mkdir()
+    (tmp_path / "d").mkdir()
+    vhost_args = ["vhost", "--socket", str(sock)] + (["--pcap", str(fifo), "--pcap-count", "0"] if side == "vhost" else [])
+    driver_args = ["driver", "--socket", str(sock), "--seconds", "60", "--json", "--pkt-size", "1500",
+                                     "--mode", "txonly"] + (
+        ["--pcap", str(fifo), "--pcap-count", "0"] if side == "driver" else [])
+    vhost = _start(vhost_args, tmp_path / "v")
+    driver = None
+    try:
+        _wait_until(sock.exists, 30, vhost)
+        driver = _start(driver_args, tmp_path / "d")
+        time.sleep(3)   # a 64 KiB pipe is full after ~40 frames of 1500 B; the backlog after ~2800
+        target = vhost if side == "vhost" else driver
+        assert target.poll() is None, _finish(target, 10)
+        target.send_signal(signal.SIGTERM)
+        err = _finish(target, 20)
+        assert target.returncode == 0, err[-3000:]
+        if side == "vhost":
+            assert re.search(rb"pcap .*: \d+ frames; (\d+) dropped", err), err[-3000:]
+            assert int(re.search(rb"; (\d+) dropped", err).group(1)) > 0, err[-3000:]
+        else:
+            report = json.loads((tmp_path / "d" / "out.txt").read_text())
+            assert report["pcap"]["dropped"] > 0 and report["tx"]["packets"] > 10000, report
+    finally:
+        os.close(reader)
+        for p in (driver, vhost):
+            if p is not None:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        pass
+                _reap(p, [])

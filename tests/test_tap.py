@@ -6,6 +6,7 @@ Fake peers speak rings.vhost_user directly where the test needs to see bytes and
 backend run as processes where a real data path is needed. Every process, socket and segment is removed
 even when a test fails.
 """
+import io
 import json
 import os
 import re
@@ -338,11 +339,41 @@ def test_pcap_writer_limit_and_format(tmp_path):
     assert w.write(b"\x01" * 60, t) and w.write(b"\x02" * 60, t + 1000)
     assert not w.write(b"\x03" * 60, t) and w.full
     w.close()
-    assert w.stats() == {"path": str(tmp_path / "x.pcap"), "written": 2, "limit": 2, "left_out": 1, "error": None}
+    assert w.stats() == {"path": str(tmp_path / "x.pcap"), "written": 2, "limit": 2, "left_out": 1,
+                          "dropped": 0, "error": None}
     got = frames(tmp_path / "x.pcap")
     assert [buf[:1] for _, buf in got] == [b"\x01", b"\x02"]
     assert got[0][0] == pytest.approx(1_700_000_000.999999, abs=1e-6)
     assert oct(os.stat(tmp_path / "x.pcap").st_mode & 0o777) == "0o600"
+
+
+def test_pcap_writer_drops_whole_frames_for_a_reader_that_stopped_reading(tmp_path, monkeypatch):
+    """A FIFO whose reader stopped reading never blocks the writer: past BACKLOG bytes frames are dropped and
+    counted, close() gives up after CLOSE_GRACE_S, and what the reader finally gets is a pcap stream whose
+    frames are whole and in order."""
+    monkeypatch.setattr(PcapWriter, "BACKLOG", 1 << 16)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        w = PcapWriter(fifo)
+        t0 = time.monotonic()
+        taken = [w.write(i.to_bytes(4, "big") * 250, 1_700_000_000_000_000_000 + i) for i in range(2000)]
+        assert taken[:50] == [True] * 50 and not all(taken)
+        w.close()
+        assert time.monotonic() - t0 < 5
+        st = w.stats()
+        assert st["dropped"] > 0 and st["written"] > 0 and st["written"] + st["dropped"] == 2000, st
+        assert st["error"].startswith("the reader stopped reading"), st
+        got = b""
+        while chunk := os.read(r, 1 << 20):
+            got += chunk
+    finally:
+        os.close(r)
+    whole = got[:24 + st["written"] * 1016]   # file header; 16-byte record header + 1000 bytes each
+    seen = [buf for _, buf in dpkt.pcap.Reader(io.BytesIO(whole))]
+    assert [int.from_bytes(b[:4], "big") for b in seen] == list(range(st["written"]))
+    assert all(len(b) == 1000 for b in seen)
 
 
 def test_tap_cli_errors_and_decode(tmp_path, capsys):
