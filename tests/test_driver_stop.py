@@ -308,3 +308,30 @@ def test_run_leaves_the_handlers_it_was_asked_to(server, sock):
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def test_a_signal_after_the_backend_is_lost_ends_the_run_without_waiting_on_the_drain(sock):
+    """--reconnect with the backend gone and none back: a SIGTERM used to wait out the Tx drain (--drain + 1 s)
+    and then the Rx drain (--drain) for completions that no backend can deliver. Nothing waits on a backend
+    that is not there; the report still counts the Tx buffers it never completed."""
+    srv = ThreadedServer(sock, Options())
+    proc = driver(sock, "--mode", "macfwd", "--count", 32, "--reconnect", "--drain", 30, "--seconds", 120)
+    try:
+        running(srv)
+        srv.close()                                                   # the backend goes away, and stays away
+        t0 = time.monotonic()
+        while '"backend_gone"' not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "the driver did not see the backend go"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, 90)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["reconnects"][0].get("down_s") is None, res["reconnects"]
+    assert 0 <= res["tx_unfinished"] <= 32, res
+    assert took < 20, f"exit took {took:.1f} s: the drains waited for a backend that is not there"   # was 61 s

@@ -757,6 +757,7 @@ class _Loop:
         nq, cfg = self.nq, self.cfg
         tx = nq.tx
         tx.flush()
+        tx.cleanup(0)   # what was completed already (the used ring is ours), even if no backend is left to wait on
         end = time.monotonic() + max(cfg.drain, 0.05) + 1.0
         while (tx.inflight or self.backlog) and time.monotonic() < end and not self._drain_stop():
             self._send_backlog()
@@ -775,6 +776,8 @@ class _Loop:
         if self.stop.count >= 2:
             self.drain_cut = True
             return True
+        if self.session is not None and self.session.sock is None:
+            return True   # the backend was lost and none came back (--reconnect): nothing more will come
         t = time.monotonic()
         if t < self.next_watch:
             return False
