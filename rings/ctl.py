@@ -22,6 +22,7 @@ the data path runs: it copies them first (rings.rawdump.capture) and decodes the
 import base64
 import json
 import os
+import select
 import socket
 import stat
 import threading
@@ -44,6 +45,7 @@ class ControlServer:
         self._thread = None
         self._closing = threading.Event()
         self._ino = None
+        self._wake = None   # (read, write) pipe
 
     def register(self, name, queue):
         with self._lock:
@@ -79,16 +81,23 @@ class ControlServer:
             return self
         s = listen_unix(self.path, backlog=8)   # mode 0600
         self._ino = os.lstat(self.path).st_ino
-        s.settimeout(0.2)
+        s.setblocking(False)
         self._sock = s
+        self._wake = os.pipe2(os.O_CLOEXEC)   # close() ends the accept loop's wait at once
         self._thread = threading.Thread(target=self._serve, name=f"vring-ctl {self.path}", daemon=True)
         self._thread.start()
         return self
 
     def close(self):
         self._closing.set()
+        if self._wake is not None:
+            os.write(self._wake[1], b"x")
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if self._wake is not None:
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         if self._sock is not None:
             self._sock.close()
             try:   # our socket file, not one somebody else bound there since
@@ -108,11 +117,13 @@ class ControlServer:
     def _serve(self):
         while not self._closing.is_set():
             try:
+                select.select([self._sock, self._wake[0]], [], [])
                 conn, _ = self._sock.accept()
-            except socket.timeout:
+            except BlockingIOError:   # the wake pipe, or a client that gave up before we accepted it
                 continue
-            except OSError:
+            except (OSError, ValueError):
                 return
+            conn.setblocking(True)
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 
     def _client(self, conn):
