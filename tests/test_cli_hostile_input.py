@@ -20,6 +20,7 @@ exit status, nothing left behind, no traceback.
   quiet), a directory lock held elsewhere delays listen_unix a second at most, `vring driver --pcap` reports an
   error that shows only at close.
 """
+import json
 import os
 import signal
 import socket
@@ -383,6 +384,68 @@ def test_demo_into_a_closed_pipe_is_no_error():
     finally:
         _reap(p)
     assert first.startswith("split/normal") and rc == 0 and err == "", (first, rc, err)
+
+
+def _closed_pipe():
+    """A pipe whose reader has gone: its write end, for a child's stdout (the parent's copy closed)."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+@pytest.mark.parametrize("json_out", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("check", [False, True], ids=["run", "check"])
+def test_driver_report_into_a_closed_pipe_is_no_error(tmp_path, check, json_out):
+    """`vring driver ... | head -0`: the report's reader has gone. The run ends with the status it would have had,
+    0 here, and no BrokenPipeError traceback (it was exit 1; helper-69)."""
+    sock = str(tmp_path / "v.sock")
+    backend = None if check else _start("vhost", "--socket", sock)
+    w = _closed_pipe()
+    try:
+        if backend is not None:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(sock):
+                assert backend.poll() is None and time.monotonic() < deadline, _reap(backend)
+                time.sleep(0.02)
+        args = ["driver", "--socket", sock, "--seconds", "0.3"] + ["--check"] * check + ["--json"] * json_out
+        p = subprocess.run([sys.executable, "-m", "vring.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                           text=True, env=_env(), cwd=ROOT, timeout=60)
+    finally:
+        os.close(w)
+        if backend is not None:
+            backend.send_signal(signal.SIGTERM)
+            try:
+                backend.wait(20)
+            finally:
+                _reap(backend)
+    assert p.returncode == 0 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_vhost_stats_into_a_closed_pipe_end_the_stats_not_the_server(tmp_path):
+    """`vring vhost --stats-interval 0.1 | head -0`: the stats stop, with one warning; the server goes on serving
+    and a SIGTERM ends it with 0 (its final stats were a BrokenPipeError traceback, exit 1; helper-69)."""
+    sock = str(tmp_path / "v.sock")
+    w = _closed_pipe()
+    try:
+        p = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--stats-interval", "0.1"],
+                             stdout=w, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                             start_new_session=True)
+    finally:
+        os.close(w)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert p.poll() is None and time.monotonic() < deadline, _reap(p)
+            time.sleep(0.02)
+        d = _vring("driver", "--socket", sock, "--seconds", "0.5", "--json", "--mode", "txonly")   # served after
+        # the stats failed
+        assert d.returncode == 0 and json.loads(d.stdout)["tx"]["packets"] > 0, d.stderr
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(20)
+    finally:
+        err = _reap(p)
+    assert rc == 0 and "Traceback" not in err, err
+    assert err.count("stats output failed (BrokenPipeError") == 1, err
 
 
 def test_dump_of_a_control_socket_whose_process_left_is_an_error(monkeypatch):

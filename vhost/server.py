@@ -63,6 +63,7 @@ class Server:
         self.stats_interval = stats_interval
         self.json_stats = json_stats
         self.out = out or sys.stdout
+        self.out_error = None   # why ``out`` failed, if it did (print_stats)
         self.device_kw = device_kw or {}
         self.listener: socket.socket | None = None
         self._sock_ino = None
@@ -388,6 +389,17 @@ class Server:
             self.print_stats()
 
     def print_stats(self, final=False):
+        """The counters on ``out``. Stats are a by-product: an output that fails (its reader went away, EPIPE; a
+        full disk) ends the stats, never the server. ``out_error`` keeps why, for the caller's exit."""
+        if self.out is None:
+            return
+        try:
+            self._write_stats(final)
+        except (OSError, ValueError) as e:   # ValueError: a file object closed under us
+            log.warning("stats output failed (%s: %s): no more stats", type(e).__name__, e)
+            self.out, self.out_error = None, e
+
+    def _write_stats(self, final):
         st = self.stats()
         t = round(time.monotonic() - self.t0, 3)
         if self.json_stats:

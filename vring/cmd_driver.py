@@ -13,6 +13,7 @@ from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 from virtio.pool import HEADROOM
 
 from . import snapshot_options
+from .stdout import StdoutClosed, closed_quietly, out
 
 
 def register(sub):
@@ -180,8 +181,25 @@ def _check_args(args):
 
 
 def _print_report(args, res):
+    """The report on stdout. Its reader going away (`| head`) changes nothing the run returns; a stdout that
+    cannot be written otherwise (a full disk) is a one-line error: exit 2."""
+    try:
+        out(lambda: _write_report(args, res))
+    except StdoutClosed:
+        closed_quietly()
+    except OSError as e:
+        print(f"vring driver: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
+def _write_report(args, res):
     if args.json:
-        print(json.dumps(res, indent=1), flush=True)
+        print(json.dumps(res, indent=1))
+        return
+    if res.get("checked"):
+        n = len(res["warnings"])
+        print(f"vring driver: the configuration checks out ({n} warning{'s' * (n != 1)}); not connected")
         return
     rx, tx = res["rx"], res["tx"]
     print(f"features {res['features']:#x} ({' '.join(res['feature_names'])}), header {res['hdr_size']} B")
@@ -191,7 +209,6 @@ def _print_report(args, res):
     for key in ("latency", "verify", "pcap", "error"):
         if key in res:
             print(f"{key}: {res[key]}")
-    sys.stdout.flush()
 
 
 def main(args):
@@ -220,28 +237,22 @@ def main(args):
             return 2
         for w in warnings:
             print(f"vring driver: warning: {w}", file=sys.stderr)
-        if args.json:
-            print(json.dumps({"checked": True, "connected": False, "warnings": warnings}, indent=1))
-        else:
-            print(f"vring driver: the configuration checks out ({len(warnings)} warning"
-                  f"{'s' * (len(warnings) != 1)}); not connected")
-        return 0
+        return _print_report(args, {"checked": True, "connected": False, "warnings": warnings}) or 0
     try:
         res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create
             if getattr(e, "report", None) is not None:   # the run had started: what it did, the error in it
-                _print_report(args, e.report)
+                _print_report(args, e.report)   # exit 2 whatever became of the report
             print(f"vring driver: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         raise
-    _print_report(args, res)
-    rc = 0
+    rc = _print_report(args, res) or 0
     failures = res.get("verify", {}).get("failures")
     if failures:
         print(f"vring driver: VerifyFailed: {'; '.join(failures)}", file=sys.stderr)
-        rc = 1
+        rc = rc or 1
     unfinished = res.get("tx_unfinished", 0)
     if unfinished:
         what = (f"{unfinished} Tx buffer{'s' * (unfinished != 1)} still in flight at exit: the backend never "

@@ -11,6 +11,7 @@ from rings.errors import ConfigError
 from rings.interrupts import ENDING, SignalWakeup
 
 from . import snapshot_options
+from .stdout import closed_quietly
 
 
 def register(sub):
@@ -112,7 +113,10 @@ def run(args):
                     handshake_timeout=args.handshake_timeout)
     old = {s: signal.signal(s, server.on_signal) for s in ENDING}   # each ends it cleanly: the socket file goes too
     try:
-        return _serve(args, server, opts)
+        rc = _serve(args, server, opts)
+        if server.out_error is not None:   # the stats' reader went away (`| head`): no second error at exit
+            closed_quietly()
+        return rc
     finally:   # see cli.main: SIG_IGN for the process's own command line, a test's own handlers otherwise
         after = signal.SIG_IGN if getattr(args, "own_process", False) else None
         for s, h in old.items():
