@@ -989,14 +989,15 @@ LISTEN_LOCK_WAIT = 1.0   # seconds listen_unix waits for the directory's lock (a
 #                          bind: microseconds, unless the check's connect to a stale-looking socket waits)
 
 
-def listen_unix(path, backlog: int = 1) -> socket.socket:
+def listen_unix(path, backlog: int = 1, stop=None) -> socket.socket | None:
     """A listening AF_UNIX stream socket at ``path`` with mode 0600 (set before ``listen``, so nobody can connect
     earlier). A live server at ``path`` is never taken over (ConfigError); a stale socket file is replaced;
     any other file there is a ConfigError. Check, replace and bind hold an flock on the socket's directory:
     two of us starting on one stale path at once could otherwise both find it stale, and the second unlink the
     first one's fresh socket (which then listens where nobody can reach it). The lock is only asked for, for a
     second at most: a directory someone else keeps locked (``flock DIR cmd``, our own parent), or one that cannot
-    be locked (NFS), goes without it."""
+    be locked (NFS), goes without it. ``stop()`` turning true during that wait (a stop signal's handler ran) ends
+    it with None: nothing bound."""
     path = os.fspath(path)
     try:
         dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1009,6 +1010,8 @@ def listen_unix(path, backlog: int = 1) -> socket.socket:
                 fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if stop is not None and stop():
+                    return None
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.005)

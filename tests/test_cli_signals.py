@@ -497,3 +497,28 @@ def test_a_pcap_fifo_whose_reader_stopped_reading_neither_blocks_the_rings_nor_t
                     except subprocess.TimeoutExpired:
                         pass
                 _reap(p, [])
+
+
+def test_vhost_a_stop_signal_ends_its_wait_for_the_directory_lock(tmp_path, monkeypatch):
+    """listen_unix waits for the socket directory's flock (LISTEN_LOCK_WAIT), which another process may hold. A
+    SIGTERM in that wait was seen only when it ran out (1 s). Here the wait is 30 s: the signal ends it, nothing
+    is bound, and `vring vhost` exits 0 (helper-69)."""
+    import fcntl
+
+    from rings import vhost_user as vu
+    monkeypatch.setattr(vu, "LISTEN_LOCK_WAIT", 30.0)
+    sock = tmp_path / "v.sock"
+    dfd = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(dfd, fcntl.LOCK_EX)   # a peer's check-and-bind that takes long
+    t = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    t0 = time.monotonic()
+    t.start()
+    try:
+        rc = cli.main(["vhost", "--socket", str(sock), "--ctl", str(tmp_path / "c.sock")])
+    finally:
+        t.join()
+        os.close(dfd)
+    took = time.monotonic() - t0
+    assert rc == 0
+    assert took < 10, f"{took:.1f} s: the signal did not end the 30 s wait for the lock"
+    assert not sock.exists() and not (tmp_path / "c.sock").exists()

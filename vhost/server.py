@@ -88,8 +88,10 @@ class Server:
 
     def open(self):
         """Server mode: create the listening socket (mode 0600) now, so a frontend can connect."""
-        if not self.client and self.listener is None:
-            self.listener = vu.listen_unix(self.path, backlog=4)
+        if not self.client and self.listener is None and not self.stopping:
+            self.listener = vu.listen_unix(self.path, backlog=4, stop=lambda: self.stopping)
+            if self.listener is None:   # a stop signal while it waited for the directory's lock
+                return self
             self._sock_ino = os.lstat(self.path).st_ino
             log.info("listening on %s", self.path)
         return self

@@ -128,6 +128,9 @@ def _serve(args, server, opts):
     ctl = None
     try:   # a live socket at either path is never taken over: a clear error, exit 2
         server.open()
+        if server.stopping:   # a stop signal came first (the open may have waited for its directory's lock)
+            server.close()
+            return 0
         if args.ctl:
             def queue(index):  # the queues of the current connection's data path, if any
                 dp = server.device.datapath if server.device is not None else None
