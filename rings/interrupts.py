@@ -8,6 +8,25 @@ import signal
 ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+def install(handler, sigs=ENDING):
+    """``handler`` for each of ``sigs`` (main thread only); returns the handlers before, for ``restore``. A SIGHUP
+    that whoever started us ignores (`nohup`) stays ignored: a hangup is then not ours to act on."""
+    old = {}
+    for s in sigs:
+        if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+            old[s] = signal.SIG_IGN
+        else:
+            old[s] = signal.signal(s, handler)
+    return old
+
+
+def restore(old, after=None):
+    """Put back the handlers ``install`` returned, or ``after`` for each (the command line of our own process:
+    SIG_IGN, so that a late signal cannot cut its report short or turn its exit status into -N)."""
+    for s, h in old.items():
+        signal.signal(s, h if after is None else after)
+
+
 def _raise_interrupt(_signum, _frame):
     raise KeyboardInterrupt   # unwinds through every finally: children stopped, files and segments removed
 
@@ -15,12 +34,11 @@ def _raise_interrupt(_signum, _frame):
 @contextlib.contextmanager
 def ending_like_ctrl_c(sigs=(signal.SIGTERM, signal.SIGHUP)):
     """Within the block, ``sigs`` raise KeyboardInterrupt (main thread only); the handlers before are restored."""
-    old = {s: signal.signal(s, _raise_interrupt) for s in sigs}
+    old = install(_raise_interrupt, sigs)
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore(old)
 
 
 @contextlib.contextmanager
@@ -56,6 +74,11 @@ class SignalWakeup:
         except BlockingIOError:
             pass
         return set(got)
+
+    def stops(self):
+        """Empty the pipe; the stop signals (ENDING) among those it held. Their Python handlers may not have run
+        yet: a caller that took the bytes acts on them itself."""
+        return self.drain().intersection(ENDING)
 
     def close(self):
         signal.set_wakeup_fd(self.old)

@@ -522,3 +522,33 @@ def test_vhost_a_stop_signal_ends_its_wait_for_the_directory_lock(tmp_path, monk
     assert rc == 0
     assert took < 10, f"{took:.1f} s: the signal did not end the 30 s wait for the lock"
     assert not sock.exists() and not (tmp_path / "c.sock").exists()
+
+
+@pytest.mark.parametrize("command", ["vhost", "driver"])
+def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path, command):
+    """`nohup vring vhost ... &`: SIGHUP comes in ignored, and a closed terminal must not end the process. The stop
+    handlers were installed over it. SIGTERM still ends it (helper-69)."""
+    sock = tmp_path / "v.sock"
+    args = (["vhost", "--socket", str(sock)] if command == "vhost" else
+            ["driver", "--server", "--socket", str(sock), "--seconds", "60", "--json"])
+
+    def nohup():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    with open(tmp_path / "err.txt", "wb") as err, open(tmp_path / "out.txt", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vring.cli", *args], cwd=ROOT, env=_env(tmp_path),
+                                stdout=out, stderr=err, start_new_session=True, preexec_fn=nohup)
+    proc.err_path = tmp_path / "err.txt"
+    try:
+        _wait_until(sock.exists, 30, proc)
+        time.sleep(0.3)   # its handlers are in place (the socket is made after them)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None, f"a SIGHUP nohup ignores ended it: {_finish(proc, 10)[-2000:]!r}"
+        proc.send_signal(signal.SIGTERM)
+        err = _finish(proc, 30)
+        # a driver still waiting for its backend to connect ends as on Ctrl-C: 130
+        assert proc.returncode == (0 if command == "vhost" else 130), err[-2000:]
+    finally:
+        _reap(proc, [])

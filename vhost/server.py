@@ -25,7 +25,6 @@ import time
 
 from rings import vhost_user as vu
 from rings.errors import GuestMemoryFault, PeerGone, ProtocolError, ProtocolTimeout, VringError
-from rings.interrupts import ENDING
 
 from .datapath import Options, add_stats, split_stats
 from .device import NetDevice, Refused, Reply
@@ -139,7 +138,7 @@ class Server:
         case the Python handler has not run yet (it runs in the main thread, at its next bytecode)."""
         w = self.wakeup
         r, _, _ = select.select(waits if w is None else [*waits, w.rfd], [], [], timeout)
-        if w is not None and w.rfd in r and w.drain().intersection(ENDING):
+        if w is not None and w.rfd in r and w.stops():
             self.stopping = True
         return r
 

@@ -22,9 +22,7 @@ at its own ring positions and goes on. Each step is an event (a JSON line on std
 ``connected``, ``resumed``, ``traffic`` = the first packet received after a resume).
 """
 import json
-import os
 import select
-import signal
 import socket
 import sys
 import time
@@ -32,10 +30,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from rings import interrupts
 from rings import vhost_user as vu
 from rings.affinity import pin_all_threads
 from rings.errors import PeerGone, VringError
-from rings.interrupts import ENDING, SignalWakeup
+from rings.interrupts import SignalWakeup
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
 
@@ -181,7 +180,7 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
-    old = {s: signal.signal(s, stop) for s in ENDING}
+    old = interrupts.install(stop)
     wakeup = SignalWakeup()
     result = {"config": asdict(cfg), "warnings": warnings}
     try:
@@ -257,8 +256,7 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
             if nq is not None:
                 nq.close()
         finally:   # last: a second signal used to kill the process half-way through the clean-up
-            for s, h in old.items():
-                signal.signal(s, h if after_signals is None else after_signals)
+            interrupts.restore(old, after_signals)
             wakeup.close()
 
 
@@ -673,7 +671,7 @@ class _Loop:
             if self.wakeup is not None:
                 # a stop signal whose byte is here may not have had its Python handler run yet: taking the byte
                 # without acting on it would leave the next --wait sleep to its full timeout
-                for signum in self.wakeup.drain().intersection(ENDING):
+                for signum in self.wakeup.stops():
                     self.stop.seen(signum)
                 if self.stop.flag:
                     return True

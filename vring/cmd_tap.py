@@ -23,10 +23,10 @@ import argparse
 import contextlib
 import math
 import os
-import signal
 import sys
 import threading
 
+from rings import interrupts
 from rings.ctl import ControlServer
 from rings.errors import VringError
 from vring.stdout import closed_quietly, usage_error
@@ -99,8 +99,7 @@ def run(args):
     logging.basicConfig(level=logging.WARNING - 10 * min(args.verbose, 2), stream=sys.stderr,
                         format="%(asctime)s tap %(levelname)s %(message)s")
     stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(s, lambda *_: stop.set())
+    interrupts.install(lambda *_: stop.set())
     log = notify = ctl = capture = frontend = backend = None
     try:
         ctl = ControlServer(args.ctl) if args.ctl else None

@@ -5,10 +5,11 @@ import os
 import signal
 import sys
 
+from rings import interrupts
 from rings.affinity import pin_all_threads, pin_error
 from rings.ctl import ControlServer
 from rings.errors import ConfigError
-from rings.interrupts import ENDING, SignalWakeup
+from rings.interrupts import SignalWakeup
 
 from . import snapshot_options
 from .stdout import closed_quietly
@@ -111,16 +112,14 @@ def run(args):
     server = Server(args.socket, opts, client=args.client, reconnect_s=args.reconnect, budget_us=args.slice_us,
                     stats_interval=args.stats_interval, json_stats=args.json,
                     handshake_timeout=args.handshake_timeout)
-    old = {s: signal.signal(s, server.on_signal) for s in ENDING}   # each ends it cleanly: the socket file goes too
+    old = interrupts.install(server.on_signal)   # each ends it cleanly: the socket file goes too
     try:
         rc = _serve(args, server, opts)
         if server.out_error is not None:   # the stats' reader went away (`| head`): no second error at exit
             closed_quietly()
         return rc
     finally:   # see cli.main: SIG_IGN for the process's own command line, a test's own handlers otherwise
-        after = signal.SIG_IGN if getattr(args, "own_process", False) else None
-        for s, h in old.items():
-            signal.signal(s, h if after is None else after)
+        interrupts.restore(old, signal.SIG_IGN if getattr(args, "own_process", False) else None)
 
 
 def _serve(args, server, opts):
