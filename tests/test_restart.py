@@ -354,3 +354,37 @@ def test_an_area_no_backend_kept_in_between_is_not_handed_to_the_next(tmp_path, 
     assert "cannot start" not in logs[-1] and "inflight region says" not in logs[-1], logs[-1][-3000:]
     if packed:   # the fresh area knows no chain in flight: the ring is laid out afresh both times
         assert [r.get("ring_reset") for r in res["reconnects"]] == [True, True], res["reconnects"]
+
+
+@pytest.mark.parametrize("comes_back", [True, False], ids=["replaced", "gone"])
+def test_a_backend_lost_during_idle_first_is_replaced(tmp_path, comes_back):
+    """--reconnect --idle-first: the idle loop ran outside the run's resume loop, so a backend lost while the
+    driver idled ended it with PeerGone (exit 2; helper-68). Now the next backend is waited for and the run goes
+    on with it. With none coming, the run ends when its time would have, with the reason, exit 0."""
+    sock = str(tmp_path / "vh.sock")
+    be_cpu, drv_cpu = _cpus()
+    be = VhostProcess(sock, "--fwd", "macswap", pin=be_cpu, verbose=True)
+    drv = None
+    try:
+        drv = _driver(sock, "--reconnect", "--idle-first", "3", "--mode", "macfwd", "--count", "32", "--verify",
+                      "--seconds", "2" if comes_back else "1", pin=drv_cpu)
+        be.wait_stderr("frontend connected (connection 1)")
+        time.sleep(0.5)   # idling
+        be.proc.send_signal(signal.SIGKILL)
+        be.proc.wait(10)
+    finally:
+        be.__exit__()
+    if comes_back:
+        with VhostProcess(sock, "--fwd", "macswap", pin=be_cpu):
+            res, events, err = _finish(drv)
+    else:
+        res, events, err = _finish(drv)
+    info = f"{res['stop']}\n{res['reconnects']}\n{err[-2000:]}"
+    names = [e["event"] for e in events]
+    if comes_back:
+        assert res["connections"] == 2 and "resumed" in names, info
+        assert res["injected"] == 32 and res["rx"]["packets"] > 32 and res["verify"]["bad"] == 0, info
+        assert res["stop"]["reason"] == "seconds", info
+    else:
+        assert res["connections"] == 1 and names[-1] == "ended_without_backend", info
+        assert res["stop"]["reason"] == "no backend" and res["injected"] == 0, info

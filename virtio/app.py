@@ -367,6 +367,7 @@ class _Loop:
         self.pace = None               # rate mode: the C pacer's state, once the paced loop starts
         self.next_watch = 0.0
         self.deadline = float("inf")
+        self.backendless = False       # --reconnect: the backend was lost and none came back in time
         self.t_end = None
         self.reconnects = []           # one record per backend replaced
         self.await_traffic = None      # (time resumed, rx packets then) until the first packet after a resume
@@ -460,7 +461,9 @@ class _Loop:
         """Queues up, nothing sent yet: the macfwd receive loop runs on an empty ring for ``seconds`` (busy polling,
         or with --wait blocked on the call eventfd): what an idle queue costs. stderr says when it starts."""
         print(f"vring driver: idle for {seconds:g} s before sending", file=sys.stderr, flush=True)
-        self._run_macfwd(time.monotonic() + seconds)
+        end = time.monotonic() + seconds
+        # a backend lost now is waited for as long as the run after the idle could last
+        self._resilient(self._run_macfwd, end, end + self.cfg.seconds if self.cfg.seconds > 0 else float("inf"))
 
     def _lat_warmup(self, t):
         """Start the latency histogram over once the warm-up is behind (called from _done)."""
@@ -479,6 +482,8 @@ class _Loop:
         if self.stop.flag:
             return {"reason": "signal", "signal": self.stop.signum,
                     "latency_s": round(self.t_end - self.stop.when, 6)}
+        if self.backendless and self.t_end < self.deadline:   # the time ran out in --idle-first
+            return {"reason": "no backend", "latency_s": 0.0}
         if self.t_end >= self.deadline:
             return {"reason": "seconds", "latency_s": round(self.t_end - self.deadline, 6)}
         return {"reason": "count" if self.cfg.count else "done", "latency_s": 0.0}
@@ -511,7 +516,7 @@ class _Loop:
                 elif cfg.drain > 0:   # --drain 0: nothing is waited for at the end, nothing counted
                     self.final = np.zeros(cfg.count, np.int64)
             left = cfg.count
-            while left and not self.stop.flag and time.monotonic() < deadline:
+            while left and not (self.stop.flag or self.backendless) and time.monotonic() < deadline:
                 k = self._gen(min(cfg.burst, left))
                 if k == 0:
                     break
@@ -520,24 +525,30 @@ class _Loop:
                     self.sent_seq[self.seq - k:self.seq - k + sent] = True
                 self.injected += sent
                 left -= k
-        if self.stop.flag:   # a signal ended --idle-first (txonly would send a burst before its first look)
-            return
+        if self.stop.flag or self.backendless:   # a signal, or no backend, ended --idle-first (txonly would
+            return                              # send a burst before its first look)
+        self._resilient(getattr(self, "_run_" + cfg.mode), deadline, deadline)
+
+    # -- restarts
+
+    def _resilient(self, step, until, wait_until):
+        """``step(until)``. With --reconnect a backend lost meanwhile is replaced (waited for until ``wait_until``
+        or a stop signal) and the step resumed; when none came, ``backendless`` is set and the step is over."""
         while True:
             try:
-                getattr(self, "_run_" + cfg.mode)(deadline)
+                step(until)
                 return
             except PeerGone as e:
                 if self.session is None or not self.session.reconnect:
                     raise
                 try:
-                    self._resume_after(str(e), deadline)
+                    self._resume_after(str(e), wait_until)
                 except PeerGone:   # time is up (or stop asked) with no backend: the run ends here
-                    if not (self.stop.flag or time.monotonic() >= deadline):
+                    if not (self.stop.flag or time.monotonic() >= wait_until):
                         raise
                     self.session.events("ended_without_backend")
+                    self.backendless = True
                     return
-
-    # -- restarts
 
     def _resume_after(self, why, deadline):
         """The backend went away: the session brings the next one up at our ring positions; then forward
