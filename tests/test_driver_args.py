@@ -154,6 +154,18 @@ def test_vhost_refuses_an_empty_socket_path(capsys):
     assert "empty path" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["driver", "vhost"])
+@pytest.mark.parametrize("option", ["--ctl", "--pcap"])
+def test_an_empty_ctl_or_pcap_path_is_refused_by_both_commands(tmp_path, capsys, command, option):
+    """`--ctl ""` and `--pcap ""` meant "off" in the driver, where `vring vhost` refused `--ctl ""` (helper-68):
+    both commands refuse both, before anything runs."""
+    argv = [command, "--socket", str(tmp_path / "s.sock"), option, ""] + ["--check"] * (command == "driver")
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and option in err and "empty" in err, (out, err)
+    assert not (tmp_path / "s.sock").exists()
+
+
 @pytest.mark.parametrize("case", ["ctl-is-server-socket", "pcap-is-server-socket", "pcap-is-ctl-by-symlink",
                                   "server-dir-missing", "ctl-trailing-slash", "server-socket-under-a-file"])
 def test_check_refuses_what_the_run_would_refuse(tmp_path, capsys, case):

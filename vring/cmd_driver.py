@@ -149,6 +149,9 @@ def _check_args(args):
         return why
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a finite number > 0, not {args.timeout}"
+    for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl)):
+        if path == "":   # as `vring vhost`: an empty path is a mistake, not "off" (leave the option out)
+            return f"{name} needs a path, not an empty one"
     # created once the device runs (or, --server, before connecting): what can be known now is said now
     made = [(name, path) for name, path in (("--pcap", args.pcap), ("--ctl", args.ctl),
                                             ("--socket", args.socket if args.server else None)) if path]

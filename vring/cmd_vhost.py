@@ -90,6 +90,8 @@ def run(args):
             return _error(f"{name} must be a number {'>' if positive else '>='} 0, not {value}")
     if args.ctl is not None and (not args.ctl or os.path.abspath(args.ctl) == os.path.abspath(args.socket)):
         return _error(f"--ctl needs a path of its own (not empty, not --socket), not {args.ctl!r}")
+    if args.pcap == "":
+        return _error("--pcap needs a path, not an empty one")
     if args.slice_us > 10_000_000:   # the C loop takes it in ns, a uint64; the control socket waits a slice
         return _error(f"--slice-us must be at most 10000000 (10 s), not {args.slice_us}")
     if args.max_connections is not None and args.max_connections < 1:   # 0 or less: served nobody, exit 0
