@@ -91,6 +91,45 @@ def test_a_stop_signal_found_in_the_wakeup_pipe_ends_the_loop_before_its_handler
         nq.close()
 
 
+def test_a_signal_while_the_handlers_are_installed_still_puts_them_back(tmp_path, monkeypatch):
+    """helper-68: a stop signal landing after run() installed its handlers but before its try raised
+    KeyboardInterrupt where no finally would put the caller's handlers back. Here the signal comes from inside
+    the install itself: it must wait until the handlers are in place, land inside the try, and the caller's
+    handlers must be back when KeyboardInterrupt leaves run()."""
+    from rings import interrupts
+    real = interrupts.install
+
+    def install_and_be_signalled(handler, sigs=interrupts.ENDING):
+        old = real(handler, sigs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return old
+
+    monkeypatch.setattr(interrupts, "install", install_and_be_signalled)
+    before = {s: signal.getsignal(s) for s in interrupts.ENDING}
+    with pytest.raises(KeyboardInterrupt):
+        run(DriverConfig(str(tmp_path / "nobody.sock"), seconds=1.0))
+    assert {s: signal.getsignal(s) for s in interrupts.ENDING} == before
+
+
+def test_a_signal_after_the_loop_ended_is_not_its_stop_reason():
+    """helper-68: a signal between the loop's end (t_end) and stop_info() was reported as the reason the loop
+    stopped, with a negative latency. The loop ended on --seconds; the signal only counts for the drain."""
+    nq = NetQueues(bit(VIRTIO_F_VERSION_1), size=8, nbufs=32, buf_size=2048)
+    try:
+        stop = _Stop()
+        stop.setup = False
+        loop = _Loop(DriverConfig("", ring_size=8, mode="rxonly", seconds=1.0), nq, stop)
+        loop.deadline = time.monotonic() - 0.01
+        loop.t_end = loop.deadline + 0.002
+        stop(signal.SIGTERM)                      # after t_end
+        assert loop.stop_info() == {"reason": "seconds", "latency_s": 0.002}
+        stop.when = loop.t_end - 0.001            # before it: the signal ended the loop
+        info = loop.stop_info()
+        assert info["reason"] == "signal" and info["signal"] == signal.SIGTERM and info["latency_s"] >= 0, info
+    finally:
+        nq.close()
+
+
 def test_wait_honours_seconds_within_100ms(server, sock):
     proc = driver(sock, "--mode", "rxonly", "--wait", "--seconds", "0.7", "--drain", "0")
     rc, out, err = finish(proc)

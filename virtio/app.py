@@ -180,10 +180,12 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     fe = sess.fe
     nq = ctl = pcap = None
     stop = _Stop()
-    old = interrupts.install(stop)
-    wakeup = SignalWakeup()
+    old, wakeup = {}, None
     result = {"config": asdict(cfg), "warnings": warnings}
     try:
+        with interrupts.held_back():   # a signal now waits until both are in place, and then lands in this try
+            old = interrupts.install(stop)
+            wakeup = SignalWakeup()
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         features = sess.establish(up_until, lambda: stop.flag)
@@ -257,7 +259,8 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
                 nq.close()
         finally:   # last: a second signal used to kill the process half-way through the clean-up
             interrupts.restore(old, after_signals)
-            wakeup.close()
+            if wakeup is not None:
+                wakeup.close()
 
 
 def verify_failures(v, at_end=True):
@@ -479,7 +482,7 @@ class _Loop:
 
     def stop_info(self):
         """Why the loop ended and how long after the stop was due (a signal, or --seconds) it did."""
-        if self.stop.flag:
+        if self.stop.flag and self.stop.when <= self.t_end:   # (one after the loop ended did not end it)
             return {"reason": "signal", "signal": self.stop.signum,
                     "latency_s": round(self.t_end - self.stop.when, 6)}
         if self.backendless and self.t_end < self.deadline:   # the time ran out in --idle-first
