@@ -8,15 +8,16 @@ import signal
 ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-def install(handler, sigs=ENDING):
-    """``handler`` for each of ``sigs`` (main thread only); returns the handlers before, for ``restore``. A SIGHUP
-    that whoever started us ignores (`nohup`) stays ignored: a hangup is then not ours to act on."""
-    old = {}
+def install(handler, sigs=ENDING, into=None):
+    """``handler`` for each of ``sigs`` (main thread only); returns the handlers before, for ``restore``, in
+    ``into`` if given: each is recorded before its signal gets ``handler``, so that a handler that raises at once
+    (a signal that comes half-way) leaves a record of everything to put back. A SIGHUP that whoever started us
+    ignores (`nohup`) stays ignored: a hangup is then not ours to act on."""
+    old = {} if into is None else into
     for s in sigs:
-        if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
-            old[s] = signal.SIG_IGN
-        else:
-            old[s] = signal.signal(s, handler)
+        old[s] = signal.getsignal(s)
+        if not (s == signal.SIGHUP and old[s] == signal.SIG_IGN):
+            signal.signal(s, handler)
     return old
 
 

@@ -93,16 +93,15 @@ def test_a_stop_signal_found_in_the_wakeup_pipe_ends_the_loop_before_its_handler
 
 def test_a_signal_while_the_handlers_are_installed_still_puts_them_back(tmp_path, monkeypatch):
     """helper-68: a stop signal landing after run() installed its handlers but before its try raised
-    KeyboardInterrupt where no finally would put the caller's handlers back. Here the signal comes from inside
-    the install itself: it must wait until the handlers are in place, land inside the try, and the caller's
-    handlers must be back when KeyboardInterrupt leaves run()."""
+    KeyboardInterrupt where no finally would put the caller's handlers back. Here the signal comes half-way
+    through the install itself: the caller's handlers must all be back when KeyboardInterrupt leaves run()."""
     from rings import interrupts
     real = interrupts.install
 
-    def install_and_be_signalled(handler, sigs=interrupts.ENDING):
-        old = real(handler, sigs)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return old
+    def install_and_be_signalled(handler, sigs=interrupts.ENDING, into=None):
+        real(handler, sigs[:1], into)           # SIGINT: the signal comes half-way through
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(handler, sigs[1:], into)
 
     monkeypatch.setattr(interrupts, "install", install_and_be_signalled)
     before = {s: signal.getsignal(s) for s in interrupts.ENDING}

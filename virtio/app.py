@@ -182,10 +182,9 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
     stop = _Stop()
     old, wakeup = {}, None
     result = {"config": asdict(cfg), "warnings": warnings}
-    try:
-        with interrupts.held_back():   # a signal now waits until both are in place, and then lands in this try
-            old = interrupts.install(stop)
-            wakeup = SignalWakeup()
+    try:   # (installed inside it: a signal that comes meanwhile raises where the finally puts them back)
+        wakeup = SignalWakeup()
+        interrupts.install(stop, into=old)
         sess.open()
         up_until = time.monotonic() + cfg.seconds if cfg.seconds > 0 else float("inf")
         features = sess.establish(up_until, lambda: stop.flag)
