@@ -3,6 +3,7 @@ command: `vring bench`, `vring demo`, `vring conform`, rings.twoproc)."""
 import contextlib
 import os
 import signal
+import threading
 
 #: what a supervisor (SIGTERM) or a closed terminal (SIGHUP) sends, beside Ctrl-C (SIGINT)
 ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -44,17 +45,25 @@ def ending_like_ctrl_c(sigs=(signal.SIGTERM, signal.SIGHUP)):
 
 @contextlib.contextmanager
 def held_back():
-    """Within the block, SIGINT/SIGTERM/SIGHUP wait (blocked in this thread), so that a second signal cannot leave
-    a clean-up half done; they are delivered when it ends."""
-    try:
+    """Within the block, SIGINT/SIGTERM/SIGHUP wait, so that a second signal cannot leave a clean-up half done;
+    they are delivered when it ends, to the handlers before. In the main thread they are recorded by a handler of
+    ours: Python runs it in the main thread whichever thread the kernel picked, where a signal mask would hold
+    them only if every thread (numpy's, a --ctl server's) blocked them. Elsewhere, this thread's mask."""
+    if threading.current_thread() is not threading.main_thread():
         old = signal.pthread_sigmask(signal.SIG_BLOCK, set(ENDING))
-    except (AttributeError, ValueError, OSError):
-        old = None
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        return
+    got, old = [], {}
     try:
+        install(lambda signum, _frame: got.append(signum), into=old)
         yield
     finally:
-        if old is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        restore(old)
+        for signum in got:   # the first whose handler raises ends the delivery
+            signal.raise_signal(signum)
 
 
 class SignalWakeup:

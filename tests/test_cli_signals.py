@@ -552,3 +552,33 @@ def test_a_hangup_that_nohup_ignores_stays_ignored(tmp_path, command):
         assert proc.returncode == (0 if command == "vhost" else 130), err[-2000:]
     finally:
         _reap(proc, [])
+
+
+def test_held_back_holds_a_signal_that_another_thread_takes():
+    """rings.interrupts.held_back blocked the signals in the calling thread only: a process-directed signal that the
+    kernel gave to another thread (numpy's, a --ctl server's: they do not block it) still ran the Python handler in
+    the main thread inside the block, cutting the clean-up it protects short. Held signals now wait for the end of
+    the block whichever thread takes them, and are then delivered to the handlers there were."""
+    from rings.interrupts import held_back
+    seen = []
+    go, sent = threading.Event(), threading.Event()
+
+    def other():   # started before the block: SIGTERM is not blocked in this thread
+        go.wait(10)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    old = signal.signal(signal.SIGTERM, lambda signum, _f: seen.append(signum))
+    try:
+        with held_back():
+            go.set()
+            assert sent.wait(10)
+            for _ in range(50):   # the handler would run at one of these
+                time.sleep(0.002)
+            assert seen == [], "the signal reached its handler inside the block"
+        assert seen == [signal.SIGTERM]
+    finally:
+        t.join()
+        signal.signal(signal.SIGTERM, old)
