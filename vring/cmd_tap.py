@@ -129,7 +129,7 @@ def run(args):
             st = capture.stats()
             print(f"vring tap: pcap {st['path']}: {st['written']} frames"
                   + (f" (limit {st['limit']}, {st['left_out']} more seen and left out)" if st["limit"] else "")
-                  + (f"; {st['dropped']} dropped: the reader fell behind" if st["dropped"] else "")
+                  + (f"; {st['dropped']} dropped (the reader fell behind or left)" if st["dropped"] else "")
                   + f"; not captured: lapped {st['lapped']}, lost {st['lost']}, unreadable {st['unreadable']}, "
                     f"not seen published {st['not_seen_published']}"
                   + (f"; capture stopped: {st['error']}" if st["error"] else ""), file=sys.stderr)

@@ -165,7 +165,7 @@ def _serve(args, server, opts):
             pcap.close()
             print(f"vring vhost: pcap {pcap.path}: {pcap.written} frames" +
                   (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else "") +
-                  (f"; {pcap.dropped} dropped: the reader fell behind" if pcap.dropped else "") +
+                  (f"; {pcap.dropped} dropped (the reader fell behind or left)" if pcap.dropped else "") +
                   (f"; capture stopped: {pcap.error}" if pcap.error else ""), file=sys.stderr)
     return 0
 
