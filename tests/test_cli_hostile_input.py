@@ -421,6 +421,22 @@ def test_driver_report_into_a_closed_pipe_is_no_error(tmp_path, check, json_out)
     assert p.returncode == 0 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("argv, rc", [
+    (["bench", "--pairs", "ours/ours", "--paths", "split-normal", "--seconds", "1", "--repeat", "1", "--warmup",
+      "0", "--json", "-"], 0),
+    (["conform", "device", "--socket", "nobody.sock", "--json"], 2)], ids=["bench", "conform"])
+def test_bench_and_conform_results_into_a_closed_pipe_keep_their_status(tmp_path, argv, rc):
+    """`vring bench ... | head -0`, `vring conform ... | head -0`: the table or JSON's reader has gone. The status
+    is the run's own (bench 0, a conform that found nobody 2) with no BrokenPipeError traceback (bench: exit 1)."""
+    w = _closed_pipe()
+    try:
+        p = subprocess.run([sys.executable, "-m", "vring.cli", *argv], stdout=w, stderr=subprocess.PIPE, text=True,
+                           env=_env(), cwd=tmp_path, timeout=120)
+    finally:
+        os.close(w)
+    assert p.returncode == rc and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
 def test_vhost_stats_into_a_closed_pipe_end_the_stats_not_the_server(tmp_path):
     """`vring vhost --stats-interval 0.1 | head -0`: the stats stop, with one warning; the server goes on serving
     and a SIGTERM ends it with 0 (its final stats were a BrokenPipeError traceback, exit 1; helper-69)."""

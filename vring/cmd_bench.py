@@ -33,7 +33,7 @@ import sys
 import time
 
 from rings.interrupts import ending_like_ctrl_c
-from vring import bench
+from vring import bench, stdout
 
 
 def _list_type(fn):
@@ -302,12 +302,12 @@ def run(args):
     # the run like Ctrl-C: every process of the current measurement is stopped and its directory removed
     with ending_like_ctrl_c():
         result = bench.run_bench(cfg, progress=progress, on_record=on_record)
-    print(bench.format_table(result))
-    failed_output = False
+    # a reader that went away (`| head`) leaves the status as it is; the --json file and the plot are still made
+    failed_output = not stdout.result(bench.format_table(result), "vring bench")
     if args.json:
         text = json.dumps(result, indent=1)
         if args.json == "-":
-            print(text)
+            failed_output = not stdout.result(text, "vring bench") or failed_output
         else:
             tmp = args.json + ".tmp"
             try:

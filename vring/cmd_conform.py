@@ -10,6 +10,7 @@ import sys
 
 from rings.errors import VringError
 from rings.interrupts import ending_like_ctrl_c
+from vring.stdout import result
 
 EPILOG_DEVICE = """\
 The backend must loop the frames it receives on the driver's Tx queue back into the driver's Rx queue:
@@ -89,7 +90,8 @@ def register(sub):
 
 
 def _emit(args, report):
-    print(report.to_json() if args.json else report.table(), flush=True)
+    if not result(report.to_json() if args.json else report.table(), "vring conform"):
+        return 2
     return report.exit_code()
 
 

@@ -13,7 +13,7 @@ from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 from virtio.pool import HEADROOM
 
 from . import snapshot_options
-from .stdout import StdoutClosed, closed_quietly, out
+from .stdout import result
 
 
 def register(sub):
@@ -186,14 +186,7 @@ def _check_args(args):
 def _print_report(args, res):
     """The report on stdout. Its reader going away (`| head`) changes nothing the run returns; a stdout that
     cannot be written otherwise (a full disk) is a one-line error: exit 2."""
-    try:
-        out(lambda: _write_report(args, res))
-    except StdoutClosed:
-        closed_quietly()
-    except OSError as e:
-        print(f"vring driver: {e}", file=sys.stderr)
-        return 2
-    return None
+    return None if result(lambda: _write_report(args, res), "vring driver") else 2
 
 
 def _write_report(args, res):

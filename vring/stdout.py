@@ -25,6 +25,20 @@ def out(what):
         raise OSError(f"cannot write the output: {e.strerror or e}") from None
 
 
+def result(what, prog):
+    """Print a command's result with ``out``. True if it was written or its reader went away (`| head`: the
+    command's exit status stands, and what follows goes nowhere); False, after a one-line error on stderr, if
+    stdout could not be written otherwise (a full disk)."""
+    try:
+        out(what)
+    except StdoutClosed:
+        closed_quietly()
+    except OSError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def closed_quietly():
     """After StdoutClosed: exit status 0, with no second error when the interpreter flushes stdout at exit."""
     _stdout_to_devnull()
