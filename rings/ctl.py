@@ -115,9 +115,12 @@ class ControlServer:
         self.close()
 
     def _serve(self):
+        waits = select.poll()   # (not select: no limit on the fds' numbers)
+        waits.register(self._sock, select.POLLIN)
+        waits.register(self._wake[0], select.POLLIN)
         while not self._closing.is_set():
             try:
-                select.select([self._sock, self._wake[0]], [], [])
+                waits.poll()
                 conn, _ = self._sock.accept()
             except BlockingIOError:   # the wake pipe, or a client that gave up before we accepted it
                 continue

@@ -9,11 +9,16 @@ hand it whole frames with their time, truncated to whole microseconds first so t
 produces a microsecond field of 1000000.
 """
 import collections
+import errno
 import logging
 import os
 import select
+import stat
+import time
 
 import dpkt
+
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +40,10 @@ class PcapWriter:
     are dropped, so the file stays readable."""
 
     BACKLOG = 4 << 20      # bytes waiting for a slow reader before frames are dropped
-    FLUSH_AT = 8192        # write the backlog out once it holds this much (a BufferedWriter's size)
-    CLOSE_GRACE_S = 0.25   # at close, wait this long for a reader that makes no progress
+    FLUSH_AT = 8192        # write the backlog out once it holds this much (a BufferedWriter's size) ...
+    FLUSH_EVERY_S = 0.2    # ... or once it is this old: a live reader sees frames soon
+    CLOSE_GRACE_S = 0.25   # at close, wait this long for a reader that makes no progress ...
+    CLOSE_LIMIT_S = 1.0    # ... and this long in all for one that trickles: the rest is dropped
 
     def __init__(self, path, count=None):
         if count is not None and count < 0:
@@ -50,7 +57,14 @@ class PcapWriter:
         self.taken = 0     # frames accepted: written, or still in the backlog
         # packet data: private. Non-blocking open: a FIFO nobody reads is an error (ENXIO), not a hang. And it
         # stays non-blocking: see the class docstring
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            if e.errno == errno.ENXIO:
+                raise ConfigError(f"{self.path}: a FIFO that nobody reads; start its reader first") from None
+            raise
+        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        self._drained_at = time.monotonic()
         self._backlog = bytearray()
         self._sent = 0               # bytes of the stream written to the fd so far
         self._whole = 0              # ... of which whole records (and the file header) end here
@@ -82,12 +96,18 @@ class PcapWriter:
         sec, ns = divmod(int(t_ns), 1_000_000_000)
         self._w.writepkt_time(bytes(frame[:SNAPLEN]), sec + (ns // 1000) / 1e6)
         self.taken += 1
-        if len(self._backlog) >= self.FLUSH_AT:
+        if len(self._backlog) >= self.FLUSH_AT or time.monotonic() - self._drained_at >= self.FLUSH_EVERY_S:
             self._drain()
         return True
 
+    @property
+    def pending(self):
+        """Bytes taken and not yet written: ``flush()`` now and then lets a live reader have them."""
+        return len(self._backlog)
+
     def _drain(self):
         """Write what the fd takes now, without waiting. False if something is left."""
+        self._drained_at = time.monotonic()
         while self._backlog and self._fd is not None:
             try:
                 n = os.write(self._fd, self._backlog)
@@ -104,8 +124,14 @@ class PcapWriter:
         return not self._backlog
 
     def _failed(self, e):
-        """A capture is a by-product: its file failing (ENOSPC, EIO, EPIPE) ends the capture, not the run."""
+        """A capture is a by-product: its file failing (ENOSPC, EIO, EPIPE) ends the capture, not the run. A regular
+        file is cut back to its last whole frame, so that it stays readable."""
         self.error = f"{type(e).__name__}: {e}"
+        if self._regular and self._sent > self._whole:
+            try:
+                os.ftruncate(self._fd, self._whole)
+            except OSError:
+                self.error += "; the file ends inside a frame"
         log.error("pcap %s: %s; capture stopped after %d frames", self.path, self.error, self.written)
         self._close_fd()
 
@@ -125,15 +151,25 @@ class PcapWriter:
         self._drain()
 
     def close(self):
-        """Write out the backlog, waiting up to CLOSE_GRACE_S for a reader that makes no progress."""
+        """Write out the backlog: waiting up to CLOSE_GRACE_S for a reader that makes no progress, and up to
+        CLOSE_LIMIT_S in all (a trickling reader must not hold the exit up either: signals are not seen here)."""
         if self._fd is None:
             return
+        limit = time.monotonic() + self.CLOSE_LIMIT_S
+        poll = select.poll()   # (not select: no limit on the fd's number)
+        poll.register(self._fd, select.POLLOUT)
         while not self._drain() and self._fd is not None:
-            before = self._sent
-            select.select([], [self._fd], [], self.CLOSE_GRACE_S)
-            if not self._drain() and self._sent == before:
+            before, left = self._sent, limit - time.monotonic()
+            if left > 0:
+                poll.poll(1000 * min(self.CLOSE_GRACE_S, left))
+            if self._drain() or self._fd is None:   # all written, or the file failed (EPIPE: said so)
+                break
+            late = time.monotonic() >= limit
+            if late or self._sent == before:
                 torn = self._sent > self._whole
-                self.error = "the reader stopped reading" + ("; the file ends inside a frame" if torn else "")
+                self.error = (f"the reader was too slow to take the rest within {self.CLOSE_LIMIT_S:g} s" if late
+                              else "the reader stopped reading") + (
+                              "; the file ends inside a frame" if torn else "")
                 log.error("pcap %s: %s; %d frames not written", self.path, self.error, len(self._ends))
                 break
         self._close_fd()

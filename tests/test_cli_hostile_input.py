@@ -464,6 +464,27 @@ def test_vhost_stats_into_a_closed_pipe_end_the_stats_not_the_server(tmp_path):
     assert err.count("stats output failed (BrokenPipeError") == 1, err
 
 
+def test_vhost_stats_on_a_full_disk_end_with_exit_2(tmp_path):
+    """helper-70: `vring vhost --json --stats-interval 0.2 > /dev/full` exited 0, where the driver, --check and
+    conform exit 2 on a stdout they cannot write. A reader that went away stays exit 0 (test above)."""
+    sock = str(tmp_path / "v.sock")
+    with open("/dev/full", "w") as full:
+        p = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock, "--json",
+                              "--stats-interval", "0.2"], stdout=full, stderr=subprocess.PIPE, text=True, env=_env(),
+                             cwd=ROOT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert p.poll() is None and time.monotonic() < deadline, _reap(p)
+            time.sleep(0.02)
+        time.sleep(0.5)   # a stats line or two
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(20)
+    finally:
+        err = _reap(p)
+    assert rc == 2 and "Traceback" not in err and "stats output failed (OSError" in err, (rc, err)
+
+
 def test_dump_of_a_control_socket_whose_process_left_is_an_error(monkeypatch):
     """Found by attack44, a regression of the closed-pipe fix: the EPIPE of a control socket that closed on us was
     taken for `| head` and the dump ended silently with 0. Only our own stdout closing is quiet."""

@@ -6,6 +6,7 @@ Fake peers speak rings.vhost_user directly where the test needs to see bytes and
 backend run as processes where a real data path is needed. Every process, socket and segment is removed
 even when a test fails.
 """
+import errno
 import io
 import json
 import os
@@ -374,6 +375,112 @@ def test_pcap_writer_drops_whole_frames_for_a_reader_that_stopped_reading(tmp_pa
     seen = [buf for _, buf in dpkt.pcap.Reader(io.BytesIO(whole))]
     assert [int.from_bytes(b[:4], "big") for b in seen] == list(range(st["written"]))
     assert all(len(b) == 1000 for b in seen)
+
+
+def test_pcap_writer_close_gives_a_trickling_reader_a_second_in_all(tmp_path):
+    """helper-70: close() gave up only on a reader that made no progress at all; one that trickled kept the exit
+    waiting until the whole backlog was through (25 s at 100 KB/s, with every signal ignored meanwhile). It now
+    stops after CLOSE_LIMIT_S in all and counts the rest as dropped."""
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    stop, got = threading.Event(), bytearray()
+
+    def trickle():   # ~320 KB/s
+        while not stop.is_set():
+            try:
+                got.extend(os.read(r, 16384))
+            except BlockingIOError:
+                pass
+            time.sleep(0.05)
+
+    t = threading.Thread(target=trickle)
+    try:
+        w = PcapWriter(fifo)
+        for i in range(4000):   # 4 MB: 12 s at that speed
+            assert w.write(i.to_bytes(4, "big") * 250, 1_700_000_000_000_000_000)
+        t.start()
+        t0 = time.monotonic()
+        w.close()
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join()
+        os.close(r)
+    st = w.stats()
+    assert took < 10, f"close() took {took:.1f} s"
+    assert st["error"].startswith("the reader was too slow") and st["written"] + st["dropped"] == 4000, st
+
+
+def test_pcap_writer_cuts_a_full_disk_back_to_its_last_whole_frame(tmp_path, monkeypatch):
+    """helper-70: a disk that filled up in the middle of a frame left it torn at the end of the file (tshark: "cut
+    short in the middle of a packet"). A regular file is cut back to its last whole frame."""
+    import rings.pcap as pcap_mod
+    real, room = os.write, [20_000]
+
+    def small_disk(fd, data):
+        if room[0] <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = real(fd, bytes(data[:room[0]]))
+        room[0] -= n
+        return n
+
+    monkeypatch.setattr(pcap_mod.os, "write", small_disk)
+    w = PcapWriter(tmp_path / "x.pcap")
+    offered = 0
+    while not w.full:
+        w.write(b"\x07" * 1000, 1_700_000_000_000_000_000)
+        offered += 1
+    w.close()
+    st = w.stats()
+    assert "No space left" in st["error"] and "inside a frame" not in st["error"], st
+    got = frames(tmp_path / "x.pcap")
+    assert len(got) == st["written"] > 0 and all(len(b) == 1000 for _, b in got), st
+    assert os.path.getsize(tmp_path / "x.pcap") == 24 + 1016 * st["written"]
+    assert st["written"] + st["dropped"] == offered, (st, offered)
+
+
+def test_pcap_writer_refuses_a_fifo_nobody_reads_by_saying_so(tmp_path):
+    from rings.errors import ConfigError
+    os.mkfifo(tmp_path / "f")
+    with pytest.raises(ConfigError, match="a FIFO that nobody reads; start its reader first"):
+        PcapWriter(tmp_path / "f")
+
+
+def test_ctl_and_pcap_waits_take_fds_numbered_past_1024(tmp_path):
+    """helper-70: the new waits used select(), which refuses fds >= 1024 (FD_SETSIZE): the --ctl accept thread died
+    at once and PcapWriter.close() raised. Both wait with poll()."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    fillers = []
+    try:
+        while not fillers or fillers[-1] < 1030:
+            fillers.append(os.open(os.devnull, os.O_RDONLY))
+        srv = ctl.ControlServer(tmp_path / "c.sock").start()
+        try:
+            assert srv._sock.fileno() >= 1024
+            reply = ctl.request(tmp_path / "c.sock", "list", timeout=5)
+            assert reply["ok"], reply
+        finally:
+            srv.close()
+        os.mkfifo(tmp_path / "f")
+        r = os.open(tmp_path / "f", os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            w = PcapWriter(tmp_path / "f")
+            for i in range(2000):
+                w.write(b"\x01" * 1000, 1_700_000_000_000_000_000)
+            w.close()   # a reader that never reads: gives up after CLOSE_GRACE_S
+            assert w.stats()["error"].startswith("the reader stopped reading")
+        finally:
+            os.close(r)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_tap_cli_errors_and_decode(tmp_path, capsys):

@@ -353,6 +353,9 @@ class Server:
                     log.exception("internal error; dropping the connection")
                     self._drop(f"internal error: {type(e).__name__}: {e}")
                 self._maybe_stats()
+                pcap = self.options.pcap
+                if pcap is not None and pcap.pending:   # a live reader of a --pcap FIFO gets frames soon
+                    pcap.flush()
                 if max_connections is not None and self.connections >= max_connections and self.conn is None:
                     break
                 if until is not None and until():

@@ -681,6 +681,8 @@ class _Loop:
             self.await_traffic = None
         if watch or t >= self.next_watch:
             self.next_watch = t + 0.1
+            if self.pcap is not None and self.pcap.pending:   # a live reader of a --pcap FIFO gets frames soon
+                self.pcap.flush()
             if self.wakeup is not None:
                 # a stop signal whose byte is here may not have had its Python handler run yet: taking the byte
                 # without acting on it would leave the next --wait sleep to its full timeout

@@ -117,8 +117,10 @@ def run(args):
     old = interrupts.install(server.on_signal)   # each ends it cleanly: the socket file goes too
     try:
         rc = _serve(args, server, opts)
-        if server.out_error is not None:   # the stats' reader went away (`| head`): no second error at exit
-            closed_quietly()
+        if server.out_error is not None:   # no second error at exit; a reader that went away (`| head`) is no
+            closed_quietly()               # error, a stdout that failed otherwise (a full disk) is, as elsewhere
+            if not isinstance(server.out_error, BrokenPipeError):
+                rc = rc or 2
         return rc
     finally:   # see cli.main: SIG_IGN for the process's own command line, a test's own handlers otherwise
         interrupts.restore(old, signal.SIG_IGN if getattr(args, "own_process", False) else None)
