@@ -126,6 +126,17 @@ def _reap(proc, pids):
             pass
 
 
+def _terminate(proc):
+    """SIGTERM and a moment to exit cleanly; then ``_reap`` (SIGKILL) whatever still runs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+    _reap(proc, [])
+
+
 def _wait_until(cond, timeout, proc):
     deadline = time.monotonic() + timeout
     while not cond():
@@ -490,13 +501,7 @@ def test_a_pcap_fifo_whose_reader_stopped_reading_neither_blocks_the_rings_nor_t
         os.close(reader)
         for p in (driver, vhost):
             if p is not None:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
-                    try:
-                        p.wait(10)
-                    except subprocess.TimeoutExpired:
-                        pass
-                _reap(p, [])
+                _terminate(p)
 
 
 def test_vhost_a_stop_signal_ends_its_wait_for_the_directory_lock(tmp_path, monkeypatch):
@@ -608,10 +613,4 @@ def test_a_pcap_fifo_reader_sees_the_frames_while_the_backend_runs(tmp_path):
         assert len(got) >= 24 + 5 * (16 + 64), f"{len(got)} bytes while vhost runs"
     finally:
         os.close(reader)
-        if vhost.poll() is None:
-            vhost.send_signal(signal.SIGTERM)
-            try:
-                vhost.wait(20)
-            except subprocess.TimeoutExpired:
-                pass
-        _reap(vhost, [])
+        _terminate(vhost)
