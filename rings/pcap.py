@@ -40,8 +40,7 @@ class PcapWriter:
     are dropped, so the file stays readable."""
 
     BACKLOG = 4 << 20      # bytes waiting for a slow reader before frames are dropped
-    FLUSH_AT = 8192        # write the backlog out once it holds this much (a BufferedWriter's size) ...
-    FLUSH_EVERY_S = 0.2    # ... or once it is this old: a live reader sees frames soon
+    FLUSH_AT = 8192        # write the backlog out once it holds this much (a BufferedWriter's size)
     CLOSE_GRACE_S = 0.25   # at close, wait this long for a reader that makes no progress ...
     CLOSE_LIMIT_S = 1.0    # ... and this long in all for one that trickles: the rest is dropped
 
@@ -64,7 +63,6 @@ class PcapWriter:
                 raise ConfigError(f"{self.path}: a FIFO that nobody reads; start its reader first") from None
             raise
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
-        self._drained_at = time.monotonic()
         self._backlog = bytearray()
         self._sent = 0               # bytes of the stream written to the fd so far
         self._whole = 0              # ... of which whole records (and the file header) end here
@@ -96,18 +94,18 @@ class PcapWriter:
         sec, ns = divmod(int(t_ns), 1_000_000_000)
         self._w.writepkt_time(bytes(frame[:SNAPLEN]), sec + (ns // 1000) / 1e6)
         self.taken += 1
-        if len(self._backlog) >= self.FLUSH_AT or time.monotonic() - self._drained_at >= self.FLUSH_EVERY_S:
+        if len(self._backlog) >= self.FLUSH_AT:
             self._drain()
         return True
 
     @property
     def pending(self):
-        """Bytes taken and not yet written: ``flush()`` now and then lets a live reader have them."""
+        """Bytes taken and not yet written. The callers flush() now and then (vhost's loop, the driver's 0.1 s
+        watch, tap's capture thread), so that a live reader has them soon even when no more frames come."""
         return len(self._backlog)
 
     def _drain(self):
         """Write what the fd takes now, without waiting. False if something is left."""
-        self._drained_at = time.monotonic()
         while self._backlog and self._fd is not None:
             try:
                 n = os.write(self._fd, self._backlog)
