@@ -1,7 +1,10 @@
 """Signals that end a run the way Ctrl-C does, and clean-ups they must not cut short (one place for every
 command: `vring bench`, `vring demo`, `vring conform`, rings.twoproc)."""
 import contextlib
+import errno
+import math
 import os
+import select
 import signal
 import threading
 
@@ -66,8 +69,27 @@ def held_back():
             signal.raise_signal(signum)
 
 
+def readable(waits, timeout=None):
+    """The members of ``waits`` (fds, or objects with fileno()) that are readable, hung up or in error: select()'s
+    first list, waiting up to ``timeout`` s (None: for good; rounded up to whole ms, so that a short wait is one).
+    poll(), not select(): select refuses fds numbered 1024 or more, which an embedding process may well hand us.
+    A closed fd is an OSError (EBADF), as select has it."""
+    p = select.poll()
+    by_fd = {}
+    for w in waits:
+        fd = w if isinstance(w, int) else w.fileno()
+        by_fd[fd] = w
+        p.register(fd, select.POLLIN)
+    ready = []
+    for fd, ev in p.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))):
+        if ev & select.POLLNVAL:
+            raise OSError(errno.EBADF, f"fd {fd}: {os.strerror(errno.EBADF)}")
+        ready.append(by_fd[fd])
+    return ready
+
+
 class SignalWakeup:
-    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a select on its read end returns as
+    """A pipe the C-level signal handler writes to (signal.set_wakeup_fd): a wait on its read end returns as
     soon as a signal arrives, where PEP 475 would resume the sleep after the Python handler ran. Main thread only;
     only signals with a Python handler write their number."""
 

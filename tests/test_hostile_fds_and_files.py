@@ -4,6 +4,7 @@ files that are not regular files, driver arguments out of range.
 
 Each test failed before its fix: a leaked fd, a server hung in write(), a traceback instead of a one-line error.
 """
+import json
 import os
 import signal
 import socket
@@ -847,3 +848,46 @@ def test_conform_driver_passes_read_from_vanished_memory_are_dropped():
     assert r.status("FEAT-02") == "pass" and r.status("PACKED-L-05") == "not exercised", r.as_dict()["results"]
     assert r.status("PACKED-D-03") == "not exercised"
     assert not h.memory_intact() and "gone" in str(h.memory_fault)
+
+
+_PAST_1024 = textwrap.dedent("""
+    import os, resource, sys
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1300), hard))
+    while os.open(os.devnull, os.O_RDONLY) < 1030:   # every fd opened from here on is numbered past 1024
+        pass
+    from vring import cli
+    sys.exit(cli.main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.parametrize("notify", [False, True], ids=["polled", "notified"])
+def test_vhost_and_driver_run_with_fds_numbered_past_1024(tmp_path, notify):
+    """A process that embeds us may well hold a thousand fds already. select() refuses fds >= 1024: the server's
+    waits, the driver's look at its socket and its --wait on the call eventfd used it, and the driver died at once
+    with a ValueError. All of them wait with poll() (rings.interrupts.readable)."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 1300")
+    sock = str(tmp_path / "vh.sock")
+    run = [sys.executable, "-c", _PAST_1024]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    vhost = subprocess.Popen([*run, "vhost", "--socket", sock, "--max-connections", "1", "--json",
+                              *(["--idle", "sleep"] if notify else [])],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        wait_for(sock, vhost)
+        driver = subprocess.Popen([*run, "driver", "--socket", sock, "--seconds", "1", "--json", "--count", "64",
+                                   *(["--wait"] if notify else [])],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        rc, out, err = collect(driver, 60)
+        assert rc == 0, err[-3000:]
+        report = json.loads(out)
+        assert report["rx"]["packets"] > 64 and report["rx"]["errors"] == 0, report
+        vrc, _, verr = collect(vhost, 30)
+        assert vrc == 0 and "Traceback" not in verr, verr[-3000:]
+    finally:
+        if vhost.poll() is None:
+            vhost.kill()
+            vhost.communicate()

@@ -25,6 +25,7 @@ import time
 
 from rings import vhost_user as vu
 from rings.errors import GuestMemoryFault, PeerGone, ProtocolError, ProtocolTimeout, VringError
+from rings.interrupts import readable
 
 from .datapath import Options, add_stats, split_stats
 from .device import NetDevice, Refused, Reply
@@ -111,7 +112,7 @@ class Server:
         if self.client:
             wait = self._next_connect - time.monotonic()
             if wait > 0:
-                self._select([], min(wait, timeout))
+                self._readable([], min(wait, timeout))
                 return
             self._next_connect = time.monotonic() + self.reconnect_s
             try:
@@ -120,7 +121,7 @@ class Server:
                 log.debug("connect to %s: %s", self.path, e)
                 return
         else:
-            r = self._select([self.listener], timeout)
+            r = self._readable([self.listener], timeout)
             if self.listener not in r:
                 return
             try:
@@ -132,12 +133,12 @@ class Server:
         self.attach(conn)
         log.info("connection accepted")
 
-    def _select(self, waits, timeout):
-        """select() for reading on ``waits`` and the signal wakeup pipe, if any. PEP 475 resumes a select that a
+    def _readable(self, waits, timeout):
+        """``waits`` that are readable, waiting also on the signal wakeup pipe, if any. PEP 475 resumes a wait that a
         signal interrupts, so the pipe is what ends the wait; a stop signal's byte sets ``stopping`` itself, in
         case the Python handler has not run yet (it runs in the main thread, at its next bytecode)."""
         w = self.wakeup
-        r, _, _ = select.select(waits if w is None else [*waits, w.rfd], [], [], timeout)
+        r = readable(waits if w is None else [*waits, w.rfd], timeout)
         if w is not None and w.rfd in r and w.stops():
             self.stopping = True
         return r
@@ -307,7 +308,7 @@ class Server:
                 if kick >= 0:
                     waits.append(kick)
         try:
-            r = self._select(waits, timeout)
+            r = self._readable(waits, timeout)
         except (OSError, ValueError):
             r = [sock]
         if self.stopping:   # a signal ended the wait: a message now would only be cut short

@@ -22,7 +22,6 @@ at its own ring positions and goes on. Each step is an event (a JSON line on std
 ``connected``, ``resumed``, ``traffic`` = the first packet received after a resume).
 """
 import json
-import select
 import socket
 import sys
 import time
@@ -699,8 +698,7 @@ class _Loop:
         sock = self.session.sock if self.session is not None else None
         if sock is None:
             return False
-        r, _, _ = select.select([sock], [], [], 0)
-        if not r:
+        if not interrupts.readable([sock], 0):
             return False
         try:
             data = sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)

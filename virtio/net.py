@@ -9,7 +9,6 @@ Rx ring, Tx ring, Tx header area (one 16-byte slot per buffer id), Tx indirect t
 """
 import numbers
 import os
-import select
 import time
 
 import numpy as np
@@ -18,6 +17,7 @@ from rings import vhost_user as vu
 from rings import virtq as _virtq
 from rings._virtq import ffi as rings_ffi
 from rings.errors import ConfigError, FrameDoesNotFit
+from rings.interrupts import readable
 from rings.layout import (VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, QueueLayout, align_up, has)
 from rings.shm import MemoryTable, ShmRegion
@@ -443,7 +443,7 @@ class RxQueue:
             while time.monotonic() < deadline:
                 if self.pending():
                     return True
-                if wake and select.select(wake, [], [], 0.0005)[0]:
+                if wake and readable(wake, 0.0005):
                     return self.pending()
                 if not wake:
                     time.sleep(0.0005)
@@ -453,7 +453,7 @@ class RxQueue:
         try:
             if self.pending():   # EVT-09: re-check after enabling
                 return True
-            r, _, _ = select.select([self.callfd, *wake], [], [], timeout)
+            r = readable([self.callfd, *wake], timeout)
             if self.callfd in r and vu.eventfd_take(self.callfd):
                 self.wakeups += 1
             return self.pending()
