@@ -50,7 +50,8 @@ class PcapWriter:
         self.path = os.fspath(path)
         self.limit = count
         self.written = 0   # frames whole in the file
-        self.left_out = 0  # frames offered after the limit was reached (or the file failed)
+        self.left_out = 0  # frames that passed after the limit was reached (or the file failed): offered, or
+        #                    counted by a caller that stops offering them (vhost's C data path, the driver)
         self.dropped = 0   # frames a reader too slow for the data path did not get (backlog full, or at close)
         self.error = None  # the write error that ended the capture (disk full, ...): the run goes on without it
         self.taken = 0     # frames accepted: written, or still in the backlog

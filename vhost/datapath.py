@@ -256,11 +256,15 @@ class Datapath:
     def run(self, budget_us=500, max_iters=1 << 20):
         """Poll for about ``budget_us`` microseconds. Returns the RingErrors that broke a queue in this slice
         (as ``{vring index: error}``; the queue is then left alone, the other keeps running)."""
-        if self.options.pcap is not None and not self.options.pcap.full:
+        pcap = self.options.pcap
+        if pcap is not None and not pcap.full:
             broken = self._run_captured(budget_us)
         else:
             self.n.capture = 0   # the capture is over (or none): rxonly frames are dropped at the dequeue again
+            passed = self._frames_passed() if pcap is not None else 0
             broken = lib.vh_run(self.n, max_iters, budget_us * 1000)
+            if pcap is not None:   # what a capture that is over would have taken: counted, not captured
+                pcap.left_out += self._frames_passed() - passed
         if self.n.guest_fault:
             raise self._fault()
         if broken != self._reported:
@@ -297,6 +301,10 @@ class Datapath:
             if got <= 0 or time.monotonic() >= end:
                 break
         return n.broken
+
+    def _frames_passed(self):
+        """Frames a capture takes: each one the driver sent, and each one it received (``_run_captured``)."""
+        return int(self.n.st.tx_packets) + int(self.n.st.rx_packets)
 
     def _fault(self):
         """The C data path caught SIGBUS: the frontend's memory shrank under a ring. Both queues are taken out of

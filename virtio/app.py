@@ -416,10 +416,14 @@ class _Loop:
 
     def _cap(self, idx):
         """--pcap: the frames of these buffers as they are now (received, or about to be sent)."""
-        if self.pcap is not None and not self.pcap.full:
-            t = time.time_ns()
-            for b in idx:
-                self.pcap.write(self.nq.pool.data(b), t)
+        if self.pcap is None:
+            return
+        if self.pcap.full:   # counted, not captured
+            self.pcap.left_out += len(idx)
+            return
+        t = time.time_ns()
+        for b in idx:
+            self.pcap.write(self.nq.pool.data(b), t)
 
     def _send_all(self, k, deadline):
         """Send self.idx[:k] completely (cleanup as needed) or until deadline; frees the rest. A packet the queue
