@@ -373,3 +373,27 @@ def test_a_signal_after_the_backend_is_lost_ends_the_run_without_waiting_on_the_
     assert res["stop"]["reason"] == "signal" and res["reconnects"][0].get("down_s") is None, res["reconnects"]
     assert 0 <= res["tx_unfinished"] <= 32, res
     assert took < 20, f"exit took {took:.1f} s: the drains waited for a backend that is not there"   # was 61 s
+
+
+def test_verify_names_a_backend_gone_at_the_end_as_where_the_frames_in_flight_went(sock):
+    """--verify --reconnect, the backend gone and none back: the frames it held are not back at the end. The
+    verdict said "held by the backend longer than --drain", which points at a slow backend; it now says they
+    were in flight in a backend that was gone (helper-70)."""
+    srv = ThreadedServer(sock, Options())
+    proc = driver(sock, "--mode", "macfwd", "--count", 32, "--reconnect", "--verify", "--seconds", 120)
+    try:
+        running(srv)
+        srv.close()
+        t0 = time.monotonic()
+        while '"backend_gone"' not in proc.stderr.readline():
+            assert proc.poll() is None and time.monotonic() - t0 < 30, "the driver did not see the backend go"
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, 90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        srv.close()
+    v = json.loads(out)["verify"]
+    assert rc == 1 and v["backend_gone"] and not v["ok"], (v, err[-2000:])
+    late = [f for f in v["failures"] if "not at the end" in f]
+    assert late and late[0].endswith("(in flight in a backend that was gone at the end)"), v["failures"]

@@ -33,6 +33,9 @@ def test_verdict_lines_name_each_failure():
     assert line == "2 frame(s) sent never came back intact"
     never, late = verify_failures(_report(missing=2, absent=5))
     assert never.startswith("2 frame(s)") and late.startswith("3 frame(s) came back during the run but not at the end")
+    assert late.endswith("(lost late, or held by the backend longer than --drain)")
+    (line,) = verify_failures(dict(_report(absent=3), backend_gone=True))   # no backend left at the end to wait on
+    assert line == "3 frame(s) came back during the run but not at the end (in flight in a backend that was gone at the end)"
     (line,) = verify_failures(_report(absent=0, extra=1))
     assert line.startswith("1 extra cop")
     # --drain 0: nothing is waited for at the end, so nothing is missing from it

@@ -278,8 +278,9 @@ def verify_failures(v, at_end=True):
     if pop is not None and at_end:
         late = pop["absent"] - missing
         if late > 0:
-            out.append(f"{late} frame(s) came back during the run but not at the end (lost late, or held by the "
-                       f"backend longer than --drain)")
+            out.append(f"{late} frame(s) came back during the run but not at the end " + (
+                       "(in flight in a backend that was gone at the end)" if v.get("backend_gone") else
+                       "(lost late, or held by the backend longer than --drain)"))
         if pop["extra"]:
             out.append(f"{pop['extra']} extra {'copy' if pop['extra'] == 1 else 'copies'} at the end: a frame came "
                        f"back more than once")
@@ -402,6 +403,7 @@ class _Loop:
         self.held_end = 0
         self.drained = 0
         self.drain_cut = False         # a second signal cut the drain short: what was in flight is not judged
+        self.drain_gone = False        # the drain ended because no backend was left to give anything back
         self.tx_fail = 0
 
     # -- pieces
@@ -792,12 +794,14 @@ class _Loop:
             self.drain_cut = True
             return True
         if self.session is not None and self.session.sock is None:
-            return True   # the backend was lost and none came back (--reconnect): nothing more will come
+            self.drain_gone = True   # the backend was lost and none came back (--reconnect): nothing more will come
+            return True
         t = time.monotonic()
         if t < self.next_watch:
             return False
         self.next_watch = t + 0.05
-        return self._peer_gone()
+        self.drain_gone = self._peer_gone()
+        return self.drain_gone
 
     def _drain_rx(self):
         n = lib.vn_rx_burst(self.nq.rx.c, self.p_idx, self.p_lens, self.cfg.burst)
@@ -842,6 +846,8 @@ class _Loop:
                 v["population"] = population(self.final, self.sent_seq)[0]
             if self.drain_cut:
                 v["drain_cut"] = True
+            if self.drain_gone:
+                v["backend_gone"] = True
             v["failures"] = verify_failures(v, self.cfg.drain > 0 and not self.drain_cut)
             v["ok"] = not v["failures"]
         return out
