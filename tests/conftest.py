@@ -3,6 +3,7 @@ import contextlib
 import importlib
 import os
 import shutil
+import signal
 import tempfile
 
 import pytest
@@ -30,6 +31,22 @@ def _snapshots_in_the_session():
         else:
             os.environ["XDG_RUNTIME_DIR"] = old
         shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _hangups_reach_the_processes_we_start():
+    """A test run under nohup inherits SIGHUP ignored, and so would every process it starts (an ignored signal
+    stays ignored across exec); `vring vhost` and the driver then keep it ignored, as nohup asks. The tests that
+    send SIGHUP would wait for an exit that never comes. A handler that does nothing keeps the run itself
+    immune to the hangup, and exec puts the default back in the children."""
+    old = signal.getsignal(signal.SIGHUP)
+    if old == signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: None)
+    try:
+        yield
+    finally:
+        if old == signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, old)
 
 
 @pytest.fixture

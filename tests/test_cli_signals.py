@@ -399,7 +399,8 @@ def test_vhost_signals_that_keep_coming_end_it_with_0_and_its_socket_removed(tmp
         while not sock.exists():
             assert proc.poll() is None and time.monotonic() < deadline, _finish(proc, 5)
             time.sleep(0.02)
-        while proc.poll() is None:
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
             proc.send_signal(sig)
             time.sleep(0.001)
     finally:

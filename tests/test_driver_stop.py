@@ -323,7 +323,8 @@ def test_signals_that_keep_coming_do_not_cut_the_clean_up_or_the_report_short(se
     proc = driver(sock, "--mode", "macfwd", "--wait", "--drain", "0.2")
     try:
         running(server)
-        while proc.poll() is None:
+        deadline = time.monotonic() + 30
+        while proc.poll() is None and time.monotonic() < deadline:
             proc.send_signal(sig)
             time.sleep(0.001)
         rc, out, err = finish(proc)
