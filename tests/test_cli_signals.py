@@ -5,6 +5,7 @@ refused when not finite or out of range, and a Ctrl-C while the parser is still 
 Every process is started in a session of its own and signalled by pid (a terminal's hangup: its process group);
 its descendants are collected before the signal and checked afterwards, and whatever survives (the defect) is
 killed by pid and its /dev/shm segments removed, so that a failing test leaves nothing behind."""
+import contextlib
 import errno
 import glob
 import json
@@ -613,5 +614,106 @@ def test_a_pcap_fifo_reader_sees_the_frames_while_the_backend_runs(tmp_path):
         assert vhost.poll() is None
         assert len(got) >= 24 + 5 * (16 + 64), f"{len(got)} bytes while vhost runs"
     finally:
+        os.close(reader)
+        _terminate(vhost)
+
+
+def test_vhost_whose_stdout_and_stderr_readers_stopped_reading_serves_on_and_stops(tmp_path):
+    """helper-72: `vring vhost --stats-interval 1 | less`, or a terminal held by Ctrl-S. The stats (stdout) and the
+    log (stderr) were written to blocking pipes: once the reader stopped, vhost sat in write(), the rings stopped,
+    the frontend timed out, and no signal ended it. Both streams are now written by a thread of their own; what
+    a stalled reader cannot take within a second at exit is dropped."""
+    out_fifo, err_fifo, sock = tmp_path / "out.fifo", tmp_path / "err.fifo", tmp_path / "v.sock"
+    os.mkfifo(out_fifo)
+    os.mkfifo(err_fifo)
+    readers = [os.open(f, os.O_RDONLY | os.O_NONBLOCK) for f in (out_fifo, err_fifo)]   # open, never read
+    vhost = None
+    try:
+        with open(out_fifo, "wb") as out, open(err_fifo, "wb") as err:
+            vhost = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", str(sock), "-v", "-v",
+                                      "--stats-interval", "0.01"], cwd=ROOT, env=_env(tmp_path), stdout=out,
+                                     stderr=err, start_new_session=True)
+        vhost.err_path = tmp_path / "no-err.txt"   # for _wait_until/_terminate: not the FIFO (its open would wait)
+        vhost.err_path.write_bytes(b"")
+        _wait_until(sock.exists, 30, vhost)
+        for _ in range(3):   # a 64 KiB pipe holds ~40 stats lines of 1.6 KB: full long before the last run
+            drv = subprocess.run([sys.executable, "-m", "vring.cli", "driver", "--socket", str(sock), "--count", "64",
+                                  "--seconds", "1", "--json"], cwd=ROOT, env=_env(tmp_path), capture_output=True,
+                                 timeout=60)
+            assert drv.returncode == 0, drv.stderr[-2000:]
+            assert json.loads(drv.stdout)["rx"]["packets"] > 64
+        assert vhost.poll() is None
+        vhost.send_signal(signal.SIGTERM)
+        vhost.wait(15)
+        assert vhost.returncode == 0
+    finally:
+        for r in readers:
+            os.close(r)
+        if vhost is not None:
+            _terminate(vhost)
+
+
+def test_unblocked_stream_keeps_lines_whole_drops_what_a_stalled_reader_cannot_take_and_reports_a_gone_one(tmp_path):
+    """vring.stdout.Unblocked under the above: writes never wait on the reader; past its LIMIT, and at close after
+    CLOSE_LIMIT_S, whole lines are dropped and counted; what the reader gets is whole lines, in order; a reader
+    that went away is a BrokenPipeError at the next write."""
+    from vring.stdout import Unblocked
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        with open(fifo, "w") as f:
+            u = Unblocked(f)
+            for i in range(50_000):
+                print(f"line {i:06d}", "x" * 40, file=u)   # 2.5 MB: more than the pipe and the LIMIT take
+            print("no newline yet", end="", file=u)
+            t0 = time.monotonic()
+            u.close()
+            assert time.monotonic() - t0 < u.CLOSE_LIMIT_S + 2
+        got = b""
+        with contextlib.suppress(BlockingIOError):   # (the writer is closed: an empty pipe reads b"")
+            while chunk := os.read(r, 1 << 16):
+                got += chunk
+    finally:
+        os.close(r)
+    lines = got.decode().split("\n")
+    assert lines[-1] == "" and lines[0] == "line 000000 " + "x" * 40, lines[:2]
+    seen = [int(x.split()[1]) for x in lines[:-1]]
+    assert seen == list(range(len(seen))) and 0 < len(seen) < 50_000
+    assert len(seen) + u.dropped == 50_001 and u.error is None
+    a, b = os.pipe()
+    with open(b, "w") as f:
+        u = Unblocked(f)
+        os.close(a)
+        print("to nobody", file=u, flush=True)
+        deadline = time.monotonic() + 10
+        while u.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(BrokenPipeError):
+            print("again", file=u)
+        u.close()
+
+
+def test_driver_whose_stderr_reader_stopped_reading_runs_and_ends(tmp_path):
+    """The driver's events (--reconnect: JSON lines on stderr) and warnings go through vring.stdout.Unblocked while
+    the rings run: with stderr a full pipe nobody reads, the run used to stop at its first event."""
+    fifo, sock = tmp_path / "err.fifo", tmp_path / "v.sock"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)   # open, never read
+    w = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    vhost = _start(["vhost", "--socket", str(sock)], tmp_path)
+    try:
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(w, b"#" * 4096)   # the pipe full before the driver writes its first line
+        os.set_blocking(w, True)
+        _wait_until(sock.exists, 30, vhost)
+        drv = subprocess.run([sys.executable, "-m", "vring.cli", "driver", "--socket", str(sock), "--count", "64",
+                              "--seconds", "1", "--reconnect", "--json"], cwd=ROOT, env=_env(tmp_path), stderr=w,
+                             stdout=subprocess.PIPE, timeout=60)
+        assert drv.returncode == 0
+        assert json.loads(drv.stdout)["rx"]["packets"] > 64
+    finally:
+        os.close(w)
         os.close(reader)
         _terminate(vhost)

@@ -13,7 +13,7 @@ from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
 from virtio.pool import HEADROOM
 
 from . import snapshot_options
-from .stdout import result
+from .stdout import result, unblocked
 
 
 def register(sub):
@@ -235,7 +235,8 @@ def main(args):
             print(f"vring driver: warning: {w}", file=sys.stderr)
         return _print_report(args, {"checked": True, "connected": False, "warnings": warnings}) or 0
     try:
-        res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
+        with unblocked(stdout=False):   # its events and warnings: a stderr reader that stopped stops no ring
+            res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create

@@ -12,7 +12,9 @@ from rings.errors import ConfigError
 from rings.interrupts import SignalWakeup
 
 from . import snapshot_options
-from .stdout import closed_quietly
+
+log = logging.getLogger("vhost")
+from .stdout import closed_quietly, unblocked
 
 
 def register(sub):
@@ -116,7 +118,16 @@ def run(args):
                     handshake_timeout=args.handshake_timeout)
     old = interrupts.install(server.on_signal)   # each ends it cleanly: the socket file goes too
     try:
-        rc = _serve(args, server, opts)
+        with unblocked() as (out, _):   # a reader that stopped reading holds up neither the rings nor a stop
+            if out is not None:
+                server.out = out
+            rc = _serve(args, server, opts)
+            if out is not None:
+                out.close()
+                if server.out_error is None and server.out is not None:
+                    server.out_error = out.error
+                if out.dropped and out.error is None:   # (one that went away: `| head`, no news)
+                    log.warning("%d lines of stats dropped: stdout's reader did not take them in time", out.dropped)
         if server.out_error is not None:   # no second error at exit; a reader that went away (`| head`) is no
             closed_quietly()               # error, a stdout that failed otherwise (a full disk) is, as elsewhere
             if not isinstance(server.out_error, BrokenPipeError):
