@@ -398,3 +398,52 @@ def test_verify_names_a_backend_gone_at_the_end_as_where_the_frames_in_flight_we
     assert rc == 1 and v["backend_gone"] and not v["ok"], (v, err[-2000:])
     late = [f for f in v["failures"] if "not at the end" in f]
     assert late and late[0].endswith("(in flight in a backend that was gone at the end)"), v["failures"]
+
+
+def test_a_signal_after_a_run_that_ended_by_itself_cuts_the_drain_short(server, sock):
+    """helper-72: the run ended by --seconds, the Rx drain (--drain 60) is under way, and one SIGTERM comes. Only a
+    second signal cut the drain, so this one waited the whole drain out. After a loop that ended by itself, the
+    first signal cuts; the stop reason stays the run's."""
+    proc = driver(sock, "--mode", "macfwd", "--count", 32, "--seconds", 1, "--drain", 60)
+    try:
+        running(server)
+        time.sleep(1.5)   # past --seconds: in the drain
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, 20)   # was 60 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "seconds" and res["rx"]["packets"] > 32, res["stop"]
+
+
+def test_a_second_signal_ends_the_wait_for_a_frozen_backends_answer_to_the_stop(tmp_path, sock):
+    """helper-72: a backend that stops answering (here: SIGSTOP) while the driver stops its rings. The driver
+    waited out --timeout for SET_VRING_ENABLE whatever signals came. A second signal ends that wait: exit 0, the
+    vring bases unknown, a warning."""
+    vhost = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = None
+    try:
+        wait_for(sock, vhost)
+        proc = driver(sock, "--mode", "macfwd", "--count", 32, "--seconds", 60, "--drain", 0, "--timeout", 60)
+        time.sleep(2)
+        assert proc.poll() is None, finish(proc)
+        vhost.send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)   # ends the loop; the Tx drain gives up after ~1 s; then the stop exchange
+        time.sleep(2.5)
+        assert proc.poll() is None, finish(proc)
+        proc.send_signal(signal.SIGTERM)
+        rc, out, err = finish(proc, 20)   # was --timeout: 60 s
+    finally:
+        for p in (proc, vhost):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["stop"]["reason"] == "signal" and res["vring_bases"] == {}, res
+    assert "a stop signal cut short the wait for the backend's answer" in err, err

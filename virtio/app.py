@@ -133,11 +133,17 @@ def _eventfd_count(fd):
     return vu.eventfd_take(fd)
 
 
+class _StopCut(BaseException):
+    """A stop signal cut the stop exchange short (raised by ``_Stop`` inside the wait for the backend's reply)."""
+
+
 class _Stop:
     """The SIGINT/SIGTERM handler: the first asks the loop to end (within 100 ms: the signal also wakes the
-    --wait sleep through a wakeup pipe), a second one cuts the drain short. While the rings are being set up
-    (``setup``) it raises KeyboardInterrupt at once: a backend that does not answer would otherwise hold the
-    signal until the message's timeout (PEP 475 resumes the wait after a handler that returns)."""
+    --wait sleep through a wakeup pipe); once the loop has ended, the next one (``cut``) cuts the drain and the
+    stop exchange short. While the rings are being set up (``setup``) it raises KeyboardInterrupt at once, and
+    during the stop exchange (``exchanging``) a cutting one raises _StopCut: a backend that does not answer would
+    otherwise hold the signal until the message's timeout (PEP 475 resumes the wait after a handler that
+    returns)."""
 
     def __init__(self):
         self.flag = False
@@ -145,12 +151,25 @@ class _Stop:
         self.when = None
         self.signum = None
         self.setup = True
+        self.cut_at = None   # set when the loop ends: the count from which a signal cuts what follows
+        self.exchanging = False
 
     def __call__(self, signum=None, _frame=None):
         self.count += 1
         self.seen(signum)
         if self.setup:
             raise KeyboardInterrupt
+        if self.exchanging and self.cut:
+            raise _StopCut
+
+    def loop_ended(self):
+        """The signal that ended the loop (its handler may run only now) does not cut; the next one does. After a
+        loop that ended by itself (--seconds, --count), the first one does."""
+        self.cut_at = 2 if self.flag else self.count + 1
+
+    @property
+    def cut(self):
+        return self.cut_at is not None and self.count >= self.cut_at
 
     def seen(self, signum):
         """The first stop signal, from its handler or from the wakeup pipe (whichever comes first)."""
@@ -212,11 +231,12 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
                 loop.idle(cfg.idle_first)
             t0 = time.monotonic()
             loop.run()
+            stop.loop_ended()
             result["stop"] = loop.stop_info()
             loop.drain()
             # Tx buffers the backend never completed: their memory still belongs to the device
             result["tx_unfinished"] = int(nq.tx.inflight)
-            result["vring_bases"] = _stop_vrings(sess)
+            result["vring_bases"] = _stop_vrings(sess, stop)
             for w in vring_base_warnings(result["vring_bases"], cfg.packed, cfg.ring_size):
                 print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
                 warnings.append(w)
@@ -338,13 +358,26 @@ def latency_summary(lat):
     return out
 
 
-def _stop_vrings(sess):
+def _stop_vrings(sess, stop):
     """SET_VRING_ENABLE 0 + GET_VRING_BASE at the end; {} when no backend is there. A resilient run whose backend
-    goes away just then ends normally (the next one would have been waited for)."""
+    goes away just then ends normally (the next one would have been waited for). A stop signal that comes while
+    a backend keeps us waiting for its reply ends the wait: {}, with a warning."""
     if sess.fe.conn is None:
         return {}
     try:
-        return sess.fe.stop()
+        try:
+            if stop.cut:   # (it came before the exchange began)
+                raise _StopCut
+            stop.exchanging = True
+            try:
+                return sess.fe.stop()
+            finally:
+                stop.exchanging = False
+        except _StopCut:
+            sess.fe.conn.mark_broken("a stop signal cut the stop exchange short")   # a reply may be half read
+            print("vring driver: warning: a stop signal cut short the wait for the backend's answer to "
+                  "SET_VRING_ENABLE/GET_VRING_BASE: the vring bases are unknown", file=sys.stderr, flush=True)
+            return {}
     except PeerGone as e:
         if not sess.reconnect:
             raise
@@ -790,7 +823,7 @@ class _Loop:
                 time.sleep(0.001)
 
     def _drain_stop(self):
-        if self.stop.count >= 2:
+        if self.stop.cut:
             self.drain_cut = True
             return True
         if self.session is not None and self.session.sock is None:
