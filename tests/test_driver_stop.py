@@ -1,6 +1,7 @@
 """`vring driver` at the end of a run (issue 8): --wait honours signals, --seconds and the loss of the backend
 within 100 ms; Tx buffers the backend never completed are reported (warning + tx_unfinished), and are an
 error with --strict."""
+import contextlib
 import json
 import os
 import signal
@@ -29,6 +30,18 @@ def driver(sock, *args):
 def running(srv, timeout=20.0):
     assert srv.wait(lambda s: bool(s.device and s.device.datapath), timeout), "the driver did not start"
     time.sleep(0.3)   # well into the idle --wait sleeps
+
+
+@contextlib.contextmanager
+def no_survivors(*procs):
+    """Whatever the test did, none of ``procs`` outlives it (SIGKILL: a stopped one too)."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 def finish(proc, timeout=30):
@@ -173,14 +186,10 @@ def test_macfwd_injection_honours_seconds(server, sock):
 
 def test_polled_macfwd_stops_on_sigterm_within_100ms_whatever_the_spin(server, sock):
     proc = driver(sock, "--mode", "macfwd", "--spin", SPIN, "--drain", "0")
-    try:
+    with no_survivors(proc):
         running(server)
         proc.send_signal(signal.SIGTERM)
         rc, out, err = finish(proc, timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert rc == 0, err
     res = json.loads(out)
     assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
@@ -300,14 +309,10 @@ def test_a_signal_ends_idle_first(server, sock, wait, mode):
     """--idle-first is not counted in --seconds: a signal is what ends a long one, as it ends the run. txonly sent
     a burst of 256 after such a signal (helper-68): its loop sends before its first look at the stop flag."""
     proc = driver(sock, "--mode", *mode, "--idle-first", 600, "--seconds", 1, "--drain", 0, *wait)
-    try:
+    with no_survivors(proc):
         running(server)
         proc.send_signal(signal.SIGTERM)
         rc, out, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert rc == 0, err
     res = json.loads(out)
     assert res["stop"]["reason"] == "signal" and res["stop"]["latency_s"] < 0.1, res["stop"]
@@ -321,17 +326,13 @@ def test_signals_that_keep_coming_do_not_cut_the_clean_up_or_the_report_short(se
     printed, so a late signal ended the process with -N (the report possibly half-written). Signals every ~1 ms
     until it exits cover every point of its way out."""
     proc = driver(sock, "--mode", "macfwd", "--wait", "--drain", "0.2")
-    try:
+    with no_survivors(proc):
         running(server)
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             proc.send_signal(sig)
             time.sleep(0.001)
         rc, out, err = finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert rc == 0, (rc, err)
     res = json.loads(out)
     assert res["stop"]["reason"] == "signal" and res["stop"]["signal"] == sig, res["stop"]
@@ -405,16 +406,12 @@ def test_a_signal_after_a_run_that_ended_by_itself_cuts_the_drain_short(server, 
     second signal cut the drain, so this one waited the whole drain out. After a loop that ended by itself, the
     first signal cuts; the stop reason stays the run's."""
     proc = driver(sock, "--mode", "macfwd", "--count", 32, "--seconds", 1, "--drain", 60)
-    try:
+    with no_survivors(proc):
         running(server)
         time.sleep(1.5)   # past --seconds: in the drain
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         rc, out, err = finish(proc, 20)   # was 60 s
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert rc == 0, err
     res = json.loads(out)
     assert res["stop"]["reason"] == "seconds" and res["rx"]["packets"] > 32, res["stop"]
@@ -426,23 +423,18 @@ def test_a_second_signal_ends_the_wait_for_a_frozen_backends_answer_to_the_stop(
     vring bases unknown, a warning."""
     vhost = subprocess.Popen([sys.executable, "-m", "vring.cli", "vhost", "--socket", sock],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    proc = None
-    try:
+    with no_survivors(vhost):
         wait_for(sock, vhost)
         proc = driver(sock, "--mode", "macfwd", "--count", 32, "--seconds", 60, "--drain", 0, "--timeout", 60)
-        time.sleep(2)
-        assert proc.poll() is None, finish(proc)
-        vhost.send_signal(signal.SIGSTOP)
-        proc.send_signal(signal.SIGTERM)   # ends the loop; the Tx drain gives up after ~1 s; then the stop exchange
-        time.sleep(2.5)
-        assert proc.poll() is None, finish(proc)
-        proc.send_signal(signal.SIGTERM)
-        rc, out, err = finish(proc, 20)   # was --timeout: 60 s
-    finally:
-        for p in (proc, vhost):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.communicate()
+        with no_survivors(proc):
+            time.sleep(2)
+            assert proc.poll() is None, finish(proc)
+            vhost.send_signal(signal.SIGSTOP)
+            proc.send_signal(signal.SIGTERM)   # ends the loop; the Tx drain gives up after ~1 s; then the stop exchange
+            time.sleep(2.5)
+            assert proc.poll() is None, finish(proc)
+            proc.send_signal(signal.SIGTERM)
+            rc, out, err = finish(proc, 20)   # was --timeout: 60 s
     assert rc == 0, err
     res = json.loads(out)
     assert res["stop"]["reason"] == "signal" and res["vring_bases"] == {}, res
