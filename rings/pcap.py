@@ -32,6 +32,14 @@ class _Sink:
         self.write = writer._take
 
 
+def is_socket(path):
+    """A unix socket is there (open() says ENXIO, as for a FIFO nobody reads)."""
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 class PcapWriter:
     """Frames are serialised into a private backlog and written to a non-blocking fd. A regular file takes every
     write whole. A FIFO or pipe whose reader falls behind fills its buffer; the backlog then grows up to
@@ -60,7 +68,9 @@ class PcapWriter:
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
         except OSError as e:
-            if e.errno == errno.ENXIO:
+            if e.errno == errno.ENXIO:   # (a unix socket there says the same)
+                if is_socket(self.path):
+                    raise ConfigError(f"{self.path} is a unix socket, not a file or a FIFO") from None
                 raise ConfigError(f"{self.path}: a FIFO that nobody reads; start its reader first") from None
             raise
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)

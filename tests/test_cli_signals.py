@@ -494,7 +494,7 @@ def test_a_pcap_fifo_whose_reader_stopped_reading_neither_blocks_the_rings_nor_t
         err = _finish(target, 20)
         assert target.returncode == 0, err[-3000:]
         if side == "vhost":
-            assert re.search(rb"pcap .*: \d+ frames; (\d+) dropped \(the reader", err), err[-3000:]
+            assert re.search(rb"pcap .*: \d+ frames; (\d+) dropped; capture stopped: the reader stopped reading", err), err[-3000:]
             assert int(re.search(rb"; (\d+) dropped", err).group(1)) > 0, err[-3000:]
         else:
             report = json.loads((tmp_path / "d" / "out.txt").read_text())

@@ -55,6 +55,8 @@ def test_packed_any_size_and_allowed_cpu_pass_the_check(tmp_path, capsys):
     (["--tx-hdr", "indirect", "--packed", "--ring-size", "1"], 2, None, "indirect tables of at least 2 entries"),
     (["--pcap", "/nonexistent/dir/x.pcap"], 2, None, "--pcap /nonexistent/dir/x.pcap: there is no directory"),
     (["--ctl", "/nonexistent/dir/ctl.sock"], 2, None, "--ctl /nonexistent/dir/ctl.sock: there is no directory"),
+    # helper-72: the paced loop runs in C; the capture took 28 of 20000 frames and said nothing
+    (["--mode", "rate", "--rate", "1000", "--pcap", "x.pcap"], 2, None, "--pcap cannot capture --mode rate"),
 ])
 def test_check_says_whether_a_run_could_start_without_connecting(tmp_path, capsys, argv, rc, out_words, err_words):
     got = cli.main(["driver", "--socket", str(tmp_path / "nobody.sock"), "--check"] + argv)

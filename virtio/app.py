@@ -32,7 +32,7 @@ import numpy as np
 from rings import interrupts
 from rings import vhost_user as vu
 from rings.affinity import pin_all_threads
-from rings.errors import PeerGone, VringError
+from rings.errors import ConfigError, PeerGone, VringError
 from rings.interrupts import SignalWakeup
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
@@ -106,6 +106,9 @@ class DriverConfig:
     def check(self):
         """Refuse, before connecting, a run whose frames the queues could never carry (ConfigError, saying why);
         returns warnings (spec SHOULDs the configuration does not meet, and frames DPDK's net_vhost never delivers)."""
+        if self.pcap and self.mode == "rate":
+            raise ConfigError("--pcap cannot capture --mode rate: its paced loop sends and receives in C, frames "
+                              "never seen from Python; capture on the backend's side (vring vhost --pcap)")
         frame, features = max(self.pkt_size, packets.MIN_SIZE), self.features()
         check_tx_hdr(self.tx_hdr, features, indirect_table_len(self.ring_size))
         geometry = dict(buf_size=self.buf_size, headroom=self.headroom)

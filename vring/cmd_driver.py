@@ -7,6 +7,7 @@ import sys
 from rings.affinity import pin_error
 from rings.errors import ConfigError
 from rings.layout import check_size
+from rings.pcap import is_socket
 from rings.vhost_user import check_listen_path, check_unix_path
 from virtio.app import DriverConfig, run
 from virtio.net import PUBLISH_EVERY, PUBLISH_EVERY_MAX, TX_HDR
@@ -162,6 +163,8 @@ def _check_args(args):
             return f"{name} {path}: there is no directory {os.path.dirname(os.path.abspath(path))}"
     if args.pcap and os.path.isdir(args.pcap):
         return f"--pcap {args.pcap} is a directory"
+    if args.pcap and is_socket(args.pcap):
+        return f"--pcap {args.pcap} is a unix socket, not a file or a FIFO"
     for i, (a, pa) in enumerate(made):   # one file under two options (symlinks resolved): one would take the other's
         for b, pb in made[i + 1:]:
             if os.path.realpath(pa) == os.path.realpath(pb):

@@ -163,7 +163,8 @@ def _serve(args, server, opts):
             if ctl is not None:
                 ctl.close()
             server.close()
-            return _error(f"--pcap {args.pcap}: {e}")
+            why = str(e) if isinstance(e, ConfigError) else f"{args.pcap}: {getattr(e, 'strerror', None) or e}"
+            return _error(f"--pcap {why}")   # (a ConfigError names the path itself)
         server.options = dataclasses.replace(opts, pcap=pcap)   # no connection yet: each one's device takes these
     if not args.client:
         print(f"vring vhost: listening on {args.socket}", file=sys.stderr, flush=True)
@@ -176,9 +177,11 @@ def _serve(args, server, opts):
             ctl.close()
         if pcap is not None:
             pcap.close()
+            limit = f"limit {pcap.limit}, " if pcap.limit else ""
             print(f"vring vhost: pcap {pcap.path}: {pcap.written} frames" +
-                  (f" (limit {pcap.limit}, {pcap.left_out} more left out)" if pcap.limit else "") +
-                  (f"; {pcap.dropped} dropped (the reader fell behind or left)" if pcap.dropped else "") +
+                  (f" ({limit}{pcap.left_out} more left out)" if limit or pcap.left_out else "") +
+                  (f"; {pcap.dropped} dropped" + ("" if pcap.error else " (the reader fell behind)")
+                   if pcap.dropped else "") +
                   (f"; capture stopped: {pcap.error}" if pcap.error else ""), file=sys.stderr)
     return 0
 
