@@ -20,7 +20,9 @@ accepted too (handy with socat). The server reads ring memory and private counte
 the data path runs: it copies them first (rings.rawdump.capture) and decodes the copy.
 """
 import base64
+import errno
 import json
+import logging
 import os
 import select
 import socket
@@ -31,6 +33,8 @@ import time
 from . import rawdump
 from .errors import VringError
 from .vhost_user import listen_unix
+
+log = logging.getLogger("vring.ctl")
 
 MAX_REQUEST = 1 << 16
 MAX_REPLY = 1 << 26    # a raw snapshot of the largest packed ring is ~2 MiB in base64
@@ -118,14 +122,26 @@ class ControlServer:
         waits = select.poll()   # (not select: no limit on the fds' numbers)
         waits.register(self._sock, select.POLLIN)
         waits.register(self._wake[0], select.POLLIN)
+        wake = select.poll()
+        wake.register(self._wake[0], select.POLLIN)
+        short = False
         while not self._closing.is_set():
             try:
                 waits.poll()
                 conn, _ = self._sock.accept()
             except BlockingIOError:   # the wake pipe, or a client that gave up before we accepted it
                 continue
-            except (OSError, ValueError):
+            except OSError as e:
+                if e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return   # the listener closed under us
+                if not short:   # out of fds for now: the client waits in the backlog; try again soon
+                    log.warning("control socket %s: cannot accept a client (%s); retrying", self.path, e.strerror)
+                    short = True
+                wake.poll(100)   # (the listener stays readable: waiting on it would spin)
+                continue
+            except ValueError:
                 return
+            short = False
             conn.setblocking(True)
             threading.Thread(target=self._client, args=(conn,), daemon=True).start()
 

@@ -99,6 +99,9 @@ class PcapWriter:
             return False
         if len(self._backlog) >= self.BACKLOG:
             self._drain()
+            if self._fd is None:   # the file failed just now (the reader left: EPIPE)
+                self.left_out += 1
+                return False
             if len(self._backlog) >= self.BACKLOG:
                 self.dropped += 1
                 return False

@@ -891,3 +891,32 @@ def test_vhost_and_driver_run_with_fds_numbered_past_1024(tmp_path, notify):
         if vhost.poll() is None:
             vhost.kill()
             vhost.communicate()
+
+
+def test_ctl_serves_again_after_running_out_of_fds(tmp_path):
+    """helper-72: the --ctl accept thread ended on any OSError, EMFILE too: a process short of fds for a moment
+    lost its control socket for good (every later `vring dump --ctl` got EAGAIN). It now waits and retries."""
+    import resource
+    path = str(tmp_path / "c.sock")
+    srv = ctl.ControlServer(path).start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while len(clients) < 100:   # until no fd is left: the server's accept fails with EMFILE as well
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                clients.append(c)
+                c.connect(path)
+        except OSError:
+            pass
+        time.sleep(0.5)   # the server meets EMFILE meanwhile
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for c in clients:
+            c.close()
+    try:
+        assert srv._thread.is_alive()
+        assert ctl.request(path, "list", timeout=5)["ok"]
+    finally:
+        srv.close()

@@ -685,3 +685,28 @@ def test_a_capture_limit_counts_every_frame_it_leaves_out(tmp_path, mode):
     written, left_out = map(int, m.groups())
     assert written == 64 and written + left_out == passed > 10000, (verr, stats)
     assert len(frames(vcap)) == len(frames(dcap)) == 64
+
+
+def test_pcap_writer_counts_every_frame_when_the_reader_leaves_with_the_backlog_full(tmp_path, monkeypatch):
+    """helper-72: the reader goes away while the backlog is full. The drain inside write() met EPIPE and closed
+    the file; write() still took the frame into the dead backlog and returned True: counted nowhere. Now
+    written + dropped + left_out is every frame offered."""
+    monkeypatch.setattr(PcapWriter, "BACKLOG", 1 << 16)
+    fifo = tmp_path / "f"
+    os.mkfifo(fifo)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    w = PcapWriter(fifo)
+    offered = 0
+    try:
+        while w.dropped == 0:
+            w.write(b"\x05" * 1000, 1_700_000_000_000_000_000)
+            offered += 1
+    finally:
+        os.close(r)   # the reader leaves: the next drain meets EPIPE
+    for _ in range(5):
+        assert not w.write(b"\x05" * 1000, 1_700_000_000_000_000_000)
+        offered += 1
+    w.close()
+    st = w.stats()
+    assert "BrokenPipeError" in st["error"], st
+    assert st["written"] + st["dropped"] + st["left_out"] == offered, (st, offered)
