@@ -235,11 +235,20 @@ class ControlClient:
         self.timeout = timeout
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
-        try:
-            self.sock.connect(os.fspath(path))
-        except OSError as e:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.sock.connect(os.fspath(path))
+                break
+            except BlockingIOError as e:   # the server's backlog is full: a unix socket says EAGAIN at once
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                err = e
+            except OSError as e:
+                err = e
             self.sock.close()
-            raise ConnectionError(f"cannot connect to control socket {path}: {e}") from None
+            raise ConnectionError(f"cannot connect to control socket {path}: {err}") from None
         self._buf = bytearray()   # what came after the last reply's end of line
 
     def _reply_line(self):

@@ -895,7 +895,9 @@ def test_vhost_and_driver_run_with_fds_numbered_past_1024(tmp_path, notify):
 
 def test_ctl_serves_again_after_running_out_of_fds(tmp_path):
     """helper-72: the --ctl accept thread ended on any OSError, EMFILE too: a process short of fds for a moment
-    lost its control socket for good (every later `vring dump --ctl` got EAGAIN). It now waits and retries."""
+    lost its control socket for good (every later `vring dump --ctl` got EAGAIN). It now waits and retries; and a
+    client that finds the backlog full (the clients closed here wait in it to be accepted) waits for room within
+    its timeout, where it failed at once with EAGAIN."""
     import resource
     path = str(tmp_path / "c.sock")
     srv = ctl.ControlServer(path).start()
@@ -907,6 +909,7 @@ def test_ctl_serves_again_after_running_out_of_fds(tmp_path):
             while len(clients) < 100:   # until no fd is left: the server's accept fails with EMFILE as well
                 c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 clients.append(c)
+                c.settimeout(0.5)   # (a full backlog: connect would wait for good)
                 c.connect(path)
         except OSError:
             pass

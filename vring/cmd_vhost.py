@@ -12,9 +12,9 @@ from rings.errors import ConfigError
 from rings.interrupts import SignalWakeup
 
 from . import snapshot_options
+from .stdout import closed_quietly, unblocked
 
 log = logging.getLogger("vhost")
-from .stdout import closed_quietly, unblocked
 
 
 def register(sub):

@@ -70,6 +70,11 @@ def usage_error(prog, what):
     return 2
 
 
+def _lines_in(text):
+    """Lines in a queued chunk: whole ones, or the one part of a line that a flush queued."""
+    return text.count("\n" if isinstance(text, str) else b"\n") or 1
+
+
 class Unblocked:
     """A standard stream for a process that must go on while its reader does not read (`vring vhost | less`, a
     terminal held by Ctrl-S): complete lines are queued and a thread of its own writes them, so a stalled reader
@@ -129,7 +134,7 @@ class Unblocked:
     def _queue(self, text):
         data = text.encode(self.encoding, "backslashreplace")
         if self._closed or self.error is not None or self._queued + len(data) > self.LIMIT:
-            self.dropped += text.count("\n") or 1
+            self.dropped += _lines_in(text)
             return
         self._lines.append(data)
         self._queued += len(data)
@@ -149,8 +154,9 @@ class Unblocked:
             except (OSError, ValueError) as e:
                 with self._cond:
                     self.error = e if isinstance(e, OSError) else OSError(0, str(e))
-                    self.dropped += data.count(b"\n") + sum(d.count(b"\n") for d in self._lines)
+                    self.dropped += sum(map(_lines_in, (data, *self._lines)))
                     self._lines.clear()
+                    self._queued = len(data)
             with self._cond:
                 self._queued -= len(data)
                 self._busy = False
@@ -179,7 +185,7 @@ class Unblocked:
             while (self._lines or self._busy) and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
             if self._lines or self._busy:   # the thread may stay in its write(): a daemon, it ends with us
-                self.dropped += sum(d.count(b"\n") for d in self._lines) + self._busy
+                self.dropped += sum(map(_lines_in, self._lines)) + self._busy   # (the one being written: 1)
                 self._lines.clear()
             elif self._fd is not None:
                 os.close(self._fd)
