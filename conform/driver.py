@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import random
-import select
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import numpy as np
 from rings import errors as E
 from rings import vhost_user as vu
 from rings.errors import ConfigError, PeerGone, ProtocolError, RingError, VringError
+from rings.interrupts import readable
 from rings.layout import (VHOST_USER_F_PROTOCOL_FEATURES, VIRTIO_F_EVENT_IDX, VIRTIO_F_IN_ORDER,
                           VIRTIO_F_INDIRECT_DESC, VIRTIO_F_RING_PACKED, VIRTIO_F_VERSION_1,
                           VIRTIO_NET_F_MRG_RXBUF, VIRTQ_DESC_F_NEXT, VIRTQ_DESC_F_WRITE, VIRTQ_USED_F_NO_NOTIFY,
@@ -237,8 +237,7 @@ class Vq:
         fd = self.vring.kickfd
         if fd < 0:
             return 0
-        r, _, _ = select.select([fd], [], [], 0)
-        if not r:
+        if not readable([fd], 0):
             return 0
         n = vu.eventfd_take(fd)
         self.kicks += n
@@ -612,8 +611,7 @@ class DriverHarness:
     def _serve_one(self, timeout):
         """At most one control message. Returns False when the frontend left."""
         conn = self.conn
-        r, _, _ = select.select([conn.sock], [], [], timeout)
-        if not r:
+        if not readable([conn.sock], timeout):
             return True
         try:
             msg = conn.recv(timeout=self.o.timeout)
@@ -659,8 +657,7 @@ class DriverHarness:
             kicks = []
             for v in dev.vrings:
                 if v.kickfd >= 0:
-                    rr, _, _ = select.select([v.kickfd], [], [], 0)
-                    kicks.append(vu.eventfd_take(v.kickfd) if rr else 0)
+                    kicks.append(vu.eventfd_take(v.kickfd) if readable([v.kickfd], 0) else 0)
             r.check("NOTIF-08", not any(kicks), lambda: f"{sum(kicks)} kick(s) before DRIVER_OK")
 
     # -- traffic ----------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def readable(waits, timeout=None):
         by_fd[fd] = w
         p.register(fd, select.POLLIN)
     ready = []
-    for fd, ev in p.poll(None if timeout is None else max(0, math.ceil(timeout * 1000))):
+    ms = None if timeout is None else min(max(0, math.ceil(timeout * 1000)), 2**31 - 1)   # (poll takes an int)
+    for fd, ev in p.poll(ms):
         if ev & select.POLLNVAL:
             raise OSError(errno.EBADF, f"fd {fd}: {os.strerror(errno.EBADF)}")
         ready.append(by_fd[fd])

@@ -14,12 +14,12 @@ Kick and call eventfds pass straight through by default: the data path never inv
 """
 import logging
 import os
-import select
 import threading
 import time
 
 from rings import vhost_user as vu
 from rings.errors import PeerGone, ProtocolError, ProtocolTimeout, VringError
+from rings.interrupts import readable
 
 from .msglog import decode_payload, describe_fd
 
@@ -48,8 +48,7 @@ class Endpoint:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
             if self.listen:
-                r, _, _ = select.select([self.listener], [], [], 0.2)
-                if r:
+                if readable([self.listener], 0.2):
                     try:
                         return vu.accept_unix(self.listener, timeout=0)
                     except (ProtocolTimeout, OSError):
@@ -114,7 +113,7 @@ class Tap:
         try:
             while not stop.is_set():
                 try:
-                    ready, _, _ = select.select([fe.sock, be.sock], [], [], 0.2)
+                    ready = readable([fe.sock, be.sock], 0.2)
                 except (OSError, ValueError):
                     why = "socket closed"
                     break

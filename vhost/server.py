@@ -34,6 +34,7 @@ log = logging.getLogger("vhost")
 
 MSG_TIMEOUT = 5.0   # a message that starts must complete within this (a stalled frontend is dropped)
 HANDSHAKE_TIMEOUT = 5.0   # a frontend must ask GET_FEATURES within this after connecting, or it is dropped
+ACCEPT_RETRY_S = 0.1   # accept() failed (out of fds): the listener is left alone this long before the next try
 
 
 class _Interrupted(BaseException):
@@ -80,6 +81,7 @@ class Server:
         self.stopping = False
         self._exchanging = False          # inside a message's receive or reply: on_signal interrupts it
         self.wakeup = None                # a rings.interrupts.SignalWakeup: a stop signal ends every wait at once
+        self._accept_retry_at = 0.0       # accept() failed (EMFILE ...): the listener is left alone until then
         self._next_connect = 0.0
         self.t0 = time.monotonic()
         self._next_stats = self.t0 + stats_interval if stats_interval > 0 else None
@@ -124,10 +126,10 @@ class Server:
             r = self._readable([self.listener], timeout)
             if self.listener not in r:
                 return
-            try:
-                sock, _ = self.listener.accept()
-            except OSError as e:
-                log.warning("accept failed: %s", e)
+            sock = self._accept()
+            if sock is None:
+                if self._accept_retry_at:   # (out of fds: not on the listener, which would wake us at once)
+                    self._readable([], self._accept_retry_at - time.monotonic())
                 return
             conn = vu.Connection(sock)
         self.attach(conn)
@@ -150,12 +152,28 @@ class Server:
         self._greeted = False
         self._handshake_deadline = time.monotonic() + self.handshake_timeout
 
-    def _refuse_busy(self):
-        """Another frontend connects while one is served: a prompt refusal (a busy notice, then close)."""
+    def _accept(self):
+        """The next connection on the listener, or None. When accept() fails (out of fds: EMFILE ...) the
+        listener stays readable, and every round would fail again at once: said once per spell, and the
+        listener is left alone for ACCEPT_RETRY_S (``_accept_retry_at``)."""
         try:
             sock, _ = self.listener.accept()
+        except BlockingIOError:   # the frontend gave up before we took it
+            return None
         except OSError as e:
-            log.warning("accept failed: %s", e)
+            if not self._accept_retry_at:
+                log.warning("accept failed: %s; retrying every %g s", e, ACCEPT_RETRY_S)
+            self._accept_retry_at = time.monotonic() + ACCEPT_RETRY_S
+            return None
+        if self._accept_retry_at:
+            log.info("accepting again")
+            self._accept_retry_at = 0.0
+        return sock
+
+    def _refuse_busy(self):
+        """Another frontend connects while one is served: a prompt refusal (a busy notice, then close)."""
+        sock = self._accept()
+        if sock is None:
             return
         self.refused_busy += 1
         why = f"serving another frontend (connection {self.connections}); one at a time"
@@ -288,7 +306,8 @@ class Server:
                 return
             timeout = min(timeout, left)
         sock = self.conn.sock
-        waits = [sock] if self.listener is None else [sock, self.listener]
+        listening = self.listener is not None and time.monotonic() >= self._accept_retry_at
+        waits = [sock, self.listener] if listening else [sock]
         kick = None
         fault = dev.memory_fault()
         if fault is not None:   # found by another thread (a --ctl dump), maybe while the data path sleeps or idles
