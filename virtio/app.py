@@ -32,7 +32,7 @@ import numpy as np
 from rings import interrupts
 from rings import vhost_user as vu
 from rings.affinity import pin_all_threads
-from rings.errors import ConfigError, PeerGone, VringError
+from rings.errors import ConfigError, PeerGone, ProtocolTimeout, VringError
 from rings.interrupts import SignalWakeup
 from rings.layout import feature_names
 from rings.pcap import PcapWriter
@@ -134,6 +134,11 @@ def _eventfd_count(fd):
     if fd is None:
         return 0
     return vu.eventfd_take(fd)
+
+
+#: after a stop signal has cut the drain, a backend's answers to the stop get this long each (a healthy one takes
+#: microseconds; a frozen one would hold the exit for --timeout per message)
+CUT_STOP_ANSWER_S = 0.5
 
 
 class _StopCut(BaseException):
@@ -239,7 +244,7 @@ def run(cfg: DriverConfig, on_ready=None, after_signals=None):
             loop.drain()
             # Tx buffers the backend never completed: their memory still belongs to the device
             result["tx_unfinished"] = int(nq.tx.inflight)
-            result["vring_bases"] = _stop_vrings(sess, stop)
+            result["vring_bases"] = _stop_vrings(sess, stop, warnings)
             for w in vring_base_warnings(result["vring_bases"], cfg.packed, cfg.ring_size):
                 print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
                 warnings.append(w)
@@ -361,31 +366,36 @@ def latency_summary(lat):
     return out
 
 
-def _stop_vrings(sess, stop):
+def _stop_vrings(sess, stop, warnings):
     """SET_VRING_ENABLE 0 + GET_VRING_BASE at the end; {} when no backend is there. A resilient run whose backend
-    goes away just then ends normally (the next one would have been waited for). A stop signal that comes while
-    a backend keeps us waiting for its reply ends the wait: {}, with a warning."""
+    goes away just then ends normally (the next one would have been waited for). A stop signal ends the wait for
+    a backend that does not answer: one during it, or one that came before it, after which a backend gets
+    CUT_STOP_ANSWER_S for each answer. The vring bases are then {}, and a warning says why."""
     if sess.fe.conn is None:
         return {}
     try:
         try:
-            if stop.cut:   # (it came before the exchange began)
-                raise _StopCut
             stop.exchanging = True
             try:
-                return sess.fe.stop()
+                return sess.fe.stop(timeout=CUT_STOP_ANSWER_S if stop.cut else None)
             finally:
                 stop.exchanging = False
+        except ProtocolTimeout:
+            if not stop.cut:
+                raise
         except _StopCut:
-            sess.fe.conn.mark_broken("a stop signal cut the stop exchange short")   # a reply may be half read
-            print("vring driver: warning: a stop signal cut short the wait for the backend's answer to "
-                  "SET_VRING_ENABLE/GET_VRING_BASE: the vring bases are unknown", file=sys.stderr, flush=True)
-            return {}
+            pass
     except PeerGone as e:
         if not sess.reconnect:
             raise
         sess.lost(str(e))
         return {}
+    sess.fe.conn.mark_broken("a stop signal cut the stop exchange short")   # a reply may be half read
+    w = ("the backend did not answer SET_VRING_ENABLE/GET_VRING_BASE before a stop signal cut the wait short: "
+         "the vring bases are unknown")
+    print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
+    warnings.append(w)
+    return {}
 
 
 def _event_printer():

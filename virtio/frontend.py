@@ -265,16 +265,17 @@ class VhostUserFrontend:
             self._set_status(ACKNOWLEDGE | DRIVER | FEATURES_OK | DRIVER_OK)
         self.started = True
 
-    def stop(self):
-        """SET_VRING_ENABLE 0 and GET_VRING_BASE for every vring; returns {index: base}."""
+    def stop(self, timeout=None):
+        """SET_VRING_ENABLE 0 and GET_VRING_BASE for every vring; returns {index: base}. ``timeout``: for each
+        answer, instead of the connection's."""
         if not self.started:
             return {}
         self.started = False
         if self.features >> VHOST_USER_F_PROTOCOL_FEATURES & 1:
             for i in range(self.nvrings):
-                self.call(R.SET_VRING_ENABLE, vu.VringState(i, 0).pack())
+                self.call(R.SET_VRING_ENABLE, vu.VringState(i, 0).pack(), timeout=timeout)
         for i in range(self.nvrings):
-            st = self.call(R.GET_VRING_BASE, vu.VringState(i, 0).pack())
+            st = self.call(R.GET_VRING_BASE, vu.VringState(i, 0).pack(), timeout=timeout)
             self.vring_bases[i] = st.num
         return dict(self.vring_bases)
 

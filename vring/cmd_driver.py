@@ -237,9 +237,13 @@ def main(args):
         for w in warnings:
             print(f"vring driver: warning: {w}", file=sys.stderr)
         return _print_report(args, {"checked": True, "connected": False, "warnings": warnings}) or 0
+    with unblocked(stdout=False):   # its events and warnings: a stderr reader that stopped holds up no ring and
+        return _run(args, cfg)      # no exit (the report, on stdout, is the result: it waits for its reader)
+
+
+def _run(args, cfg):
     try:
-        with unblocked(stdout=False):   # its events and warnings: a stderr reader that stopped stops no ring
-            res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
+        res = run(cfg, after_signals=signal.SIG_IGN if getattr(args, "own_process", False) else None)
     except Exception as e:  # a clear one-line error, not a traceback, for protocol/feature failures
         from rings.errors import VringError
         if isinstance(e, (VringError, OSError)):   # OSError: a --pcap/--ctl path we cannot create
