@@ -390,7 +390,8 @@ def _stop_vrings(sess, stop, warnings):
             raise
         sess.lost(str(e))
         return {}
-    sess.fe.conn.mark_broken("a stop signal cut the stop exchange short")   # a reply may be half read
+    if sess.fe.conn is not None:
+        sess.fe.conn.mark_broken("a stop signal cut the stop exchange short")   # a reply may be half read
     w = ("the backend did not answer SET_VRING_ENABLE/GET_VRING_BASE before a stop signal cut the wait short: "
          "the vring bases are unknown")
     print(f"vring driver: warning: {w}", file=sys.stderr, flush=True)
