@@ -680,7 +680,9 @@ def test_unblocked_stream_keeps_lines_whole_drops_what_a_stalled_reader_cannot_t
     assert lines[-1] == "" and lines[0] == "line 000000 " + "x" * 40, lines[:2]
     seen = [int(x.split()[1]) for x in lines[:-1]]
     assert seen == list(range(len(seen))) and 0 < len(seen) < 50_000
-    assert len(seen) + u.dropped == 50_001 and u.error is None
+    # (the line the thread was writing when close() gave up is counted as dropped; it still reaches a reader that
+    # reads before the process ends, as this one does)
+    assert 50_001 <= len(seen) + u.dropped <= 50_002 and u.error is None
     a, b = os.pipe()
     with open(b, "w") as f:
         u = Unblocked(f)

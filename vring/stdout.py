@@ -107,9 +107,6 @@ class Unblocked:
         self._thread = threading.Thread(target=self._run, name="unblocked-writer", daemon=True)
         self._thread.start()
 
-    def writable(self):
-        return True
-
     def write(self, s):
         with self._cond:
             self._raise()
@@ -190,10 +187,6 @@ class Unblocked:
             elif self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-
-    @property
-    def closed(self):
-        return self._closed
 
 
 @contextlib.contextmanager
